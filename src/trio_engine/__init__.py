@@ -1,0 +1,15 @@
+"""TRIO's compute engine: Hugging Face causal LMs, multi-adapter LoRA, losses, AdamW,
+a batched KV-cache sampler and checkpoint I/O. Imports torch; the SDK never imports it."""
+
+from .catalog import DEFAULT_MODEL, TINY_LLAMA, TINY_QWEN3, Catalog, ModelNotAvailableError
+from .host import AdapterNotFoundError, Example, ForwardJob, ForwardResult, InvalidInputError, ModelHost
+from .lora import LORA_ALPHA, LoraConfig
+from .optim import AdamConfig
+from .sampler import SampleRequest, SampleResult, SamplingConfig
+
+__all__ = [
+    "DEFAULT_MODEL", "TINY_LLAMA", "TINY_QWEN3", "Catalog", "ModelNotAvailableError",
+    "AdapterNotFoundError", "Example", "ForwardJob", "ForwardResult", "InvalidInputError",
+    "ModelHost", "LORA_ALPHA", "LoraConfig", "AdamConfig", "SampleRequest", "SampleResult",
+    "SamplingConfig",
+]

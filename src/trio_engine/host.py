@@ -1,0 +1,404 @@
+"""ModelHost: one base model in memory, many LoRA adapters, their optimizer state.
+
+The service's worker calls a host from one thread. Every public method validates its
+whole input before touching any state, so a bad request never leaves half an update.
+
+Training batches (``forward_backward`` over several jobs, possibly of several adapters)
+are sorted by length and cut into micro-batches under a token budget, right-padded
+within each micro-batch. With right padding a causal model never lets a real token see
+a pad, so no attention mask is needed and a datum's result does not depend on its
+neighbours. The unembedding and the log-softmax run only on real tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import checkpoint, lora, sampler
+from .catalog import DEFAULT_MODEL, Catalog, load_model_and_tokenizer
+from .losses import LOSSES, OPTIONAL_INPUTS
+from .optim import AdamConfig, AdamState, adamw_step
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class InvalidInputError(ValueError):
+    """Bad request data. ``index`` is the datum index (or None), ``field`` the field."""
+
+    def __init__(self, message: str, index: int | None = None, field: str | None = None):
+        super().__init__(message)
+        self.index = index
+        self.field = field
+
+
+class AdapterNotFoundError(KeyError):
+    pass
+
+
+@dataclass
+class Example:
+    """One datum: input ``tokens`` and per-token ``inputs`` (target_tokens, weights, ...)."""
+
+    tokens: list[int]
+    inputs: dict[str, list[float]]
+
+
+@dataclass
+class ForwardJob:
+    """One client's forward(_backward) call: its adapter, data and loss."""
+
+    adapter_id: str | None
+    examples: list[Example]
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ForwardResult:
+    logprobs: list[list[float]]  # per datum, per target token
+    elementwise_loss: list[list[float]]
+    metrics: dict[str, float]
+
+
+@dataclass
+class Adapter:
+    config: lora.LoraConfig
+    optim: AdamState = field(default_factory=AdamState)
+
+
+def default_dtype() -> torch.dtype:
+    return DTYPES[os.environ.get("TRIO_DTYPE", "float32")]
+
+
+class ModelHost:
+    """A base model shared by many adapters.
+
+    Args:
+        model_name: a catalog name (``Catalog().available()`` lists them).
+        dtype: compute dtype of the base weights; LoRA weights stay fp32.
+        catalog: where to look the name up.
+        max_batch_tokens: token budget of one training micro-batch (padded size).
+    """
+
+    def __init__(
+        self,
+        model_name: str = DEFAULT_MODEL,
+        dtype: torch.dtype | str | None = None,
+        catalog: Catalog | None = None,
+        max_batch_tokens: int = 4096,
+    ):
+        if isinstance(dtype, str):
+            dtype = DTYPES[dtype]
+        self.dtype = dtype or default_dtype()
+        self.model_name = model_name
+        source = (catalog or Catalog()).resolve(model_name)
+        self.model, self.tokenizer = load_model_and_tokenizer(source, self.dtype)
+        self.routing = lora.install(self.model)
+        self.trunk = self.model.get_decoder()
+        self.unembed = self.model.get_output_embeddings()
+        self.vocab_size = int(self.unembed.weight.shape[0])
+        self.max_seq_len = int(getattr(self.model.config, "max_position_embeddings", 4096))
+        self.max_batch_tokens = max_batch_tokens
+        self.adapters: dict[str, Adapter] = {}
+        self.lock = threading.RLock()  # one engine call at a time per host
+
+    # -- adapters ---------------------------------------------------------------------
+
+    def create_adapter(self, adapter_id: str, config: lora.LoraConfig) -> None:
+        if adapter_id in self.adapters:
+            raise ValueError(f"adapter_id: {adapter_id!r} already exists")
+        lora.add_adapter(self.model, adapter_id, config)
+        self.adapters[adapter_id] = Adapter(config)
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        lora.remove_adapter(self.model, adapter_id)
+        self.adapters.pop(adapter_id, None)
+
+    def adapter_params(self, adapter_id: str) -> dict[str, torch.Tensor]:
+        self._adapter(adapter_id)
+        return lora.adapter_tensors(self.model, adapter_id)
+
+    def _adapter(self, adapter_id: str) -> Adapter:
+        try:
+            return self.adapters[adapter_id]
+        except KeyError:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} not found on this host") from None
+
+    # -- validation -------------------------------------------------------------------
+
+    def validate_job(self, job: ForwardJob) -> None:
+        """Raise InvalidInputError naming datum, field and value; touches no state."""
+        spec = LOSSES.get(job.loss_fn)
+        if spec is None:
+            raise InvalidInputError(
+                f"loss_fn: unknown loss {job.loss_fn!r}; built-in losses: {sorted(LOSSES)}",
+                field="loss_fn",
+            )
+        for key, value in job.loss_fn_config.items():
+            if key not in spec.config_keys:
+                raise InvalidInputError(
+                    f"loss_fn_config[{key!r}]: not used by {job.loss_fn!r} "
+                    f"(accepted: {list(spec.config_keys)})",
+                    field="loss_fn_config",
+                )
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise InvalidInputError(
+                    f"loss_fn_config[{key!r}]: must be a finite number, got {value!r}",
+                    field="loss_fn_config",
+                )
+        if job.adapter_id is not None:
+            self._adapter(job.adapter_id)
+        if not job.examples:
+            raise InvalidInputError("data: empty batch, need at least one datum", field="data")
+        allowed = {"target_tokens", *spec.required, *OPTIONAL_INPUTS}
+        for i, ex in enumerate(job.examples):
+            self._validate_example(i, ex, ("target_tokens", *spec.required), allowed)
+
+    def _validate_example(
+        self, i: int, ex: Example, required: Sequence[str], allowed: set[str]
+    ) -> None:
+        n = len(ex.tokens)
+        if n == 0:
+            raise InvalidInputError(f"data[{i}].model_input: empty sequence", i, "model_input")
+        if n > self.max_seq_len:
+            raise InvalidInputError(
+                f"data[{i}].model_input: length {n} exceeds the model's context of "
+                f"{self.max_seq_len} tokens",
+                i,
+                "model_input",
+            )
+        self._check_token_ids(ex.tokens, f"data[{i}].model_input", i)
+        for name in required:
+            if name not in ex.inputs:
+                raise InvalidInputError(
+                    f"data[{i}].loss_fn_inputs: missing {name!r} (required: {list(required)})",
+                    i,
+                    name,
+                )
+        for name, values in ex.inputs.items():
+            where = f"data[{i}].loss_fn_inputs[{name!r}]"
+            if name not in allowed:
+                raise InvalidInputError(
+                    f"{where}: unknown input (accepted: {sorted(allowed)})", i, name
+                )
+            if len(values) != n:
+                raise InvalidInputError(
+                    f"{where}: length {len(values)} differs from model_input length {n}", i, name
+                )
+            if name == "target_tokens":
+                self._check_token_ids(values, where, i)
+            else:
+                bad = next((v for v in values if not math.isfinite(v)), None)
+                if bad is not None:
+                    raise InvalidInputError(f"{where}: contains non-finite value {bad}", i, name)
+
+    def _check_token_ids(self, ids: Sequence[float], where: str, i: int | None) -> None:
+        bad = next((t for t in ids if not (0 <= t < self.vocab_size) or t != int(t)), None)
+        if bad is not None:
+            raise InvalidInputError(
+                f"{where}: token id {bad} outside the vocabulary [0, {self.vocab_size})",
+                i,
+                where.rsplit(".", 1)[-1],
+            )
+
+    # -- forward / backward -----------------------------------------------------------
+
+    def forward(self, jobs: list[ForwardJob]) -> list[ForwardResult]:
+        """Logprobs and losses, no gradients."""
+        return self._run(jobs, backward=False)
+
+    def forward_backward(self, jobs: list[ForwardJob]) -> list[ForwardResult]:
+        """Like ``forward``, and add d(sum of losses)/d(adapter) to each adapter's grads."""
+        return self._run(jobs, backward=True)
+
+    def _run(self, jobs: list[ForwardJob], backward: bool) -> list[ForwardResult]:
+        for job in jobs:
+            self.validate_job(job)
+        rows = [(j, i) for j, job in enumerate(jobs) for i in range(len(job.examples))]
+        outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, dict]] = {}
+        with self.lock, torch.set_grad_enabled(backward):
+            for micro in self._micro_batches(jobs, rows):
+                outputs.update(self._run_micro_batch(jobs, micro, backward))
+        return [self._collect(j, job, outputs) for j, job in enumerate(jobs)]
+
+    def _micro_batches(self, jobs: list[ForwardJob], rows: list[tuple[int, int]]):
+        """Sort rows by length; cut when the padded size would pass the token budget."""
+        length = {r: len(jobs[r[0]].examples[r[1]].tokens) for r in rows}
+        batch: list[tuple[int, int]] = []
+        for row in sorted(rows, key=lambda r: -length[r]):
+            # sorted descending, so the first row of a batch sets its padded length
+            if batch and (len(batch) + 1) * length[batch[0]] > self.max_batch_tokens:
+                yield batch
+                batch = []
+            batch.append(row)
+        if batch:
+            yield batch
+
+    def _run_micro_batch(self, jobs: list[ForwardJob], micro: list[tuple[int, int]], backward: bool):
+        examples = [jobs[j].examples[i] for j, i in micro]
+        lengths = [len(ex.tokens) for ex in examples]
+        width = max(lengths)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.tensor([ex.tokens + [pad] * (width - len(ex.tokens)) for ex in examples])
+        row_adapters = [jobs[j].adapter_id for j, _ in micro]
+        with self.routing.use(lora.segments(row_adapters)):
+            hidden = self.trunk(input_ids=input_ids).last_hidden_state  # (B, T, H)
+        # real tokens only, flattened: (N, H)
+        real = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]  # (B, T)
+        token_adapters = [a for a, n in zip(row_adapters, lengths) for _ in range(n)]
+        targets = torch.tensor([t for ex in examples for t in ex.inputs["target_tokens"]])
+        logp = self.token_logprobs(hidden[real], targets, token_adapters)  # (N,)
+
+        results = {}
+        total = logp.new_zeros(())
+        offset = 0
+        for (j, i), ex, n in zip(micro, examples, lengths):
+            job = jobs[j]
+            inputs = _loss_inputs(ex, n)
+            loss, token_metrics = LOSSES[job.loss_fn].fn(
+                logp[offset : offset + n], inputs, job.loss_fn_config
+            )
+            total = total + loss.sum()
+            results[(j, i)] = (logp[offset : offset + n].detach(), loss.detach(), token_metrics)
+            offset += n
+        if backward and total.requires_grad:
+            total.backward()
+        return results
+
+    def token_logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, token_adapters: list[str | None]
+    ) -> torch.Tensor:
+        """log p(target) for each row of hidden (N, H): unembedding + fp32 log-softmax.
+
+        Shared by trainer and sampler so both compute logprobs with the same numerics.
+        """
+        with self.routing.use(lora.segments(token_adapters)):
+            logits = self.unembed(hidden).float()  # (N, V)
+        return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+
+    def _collect(self, j: int, job: ForwardJob, outputs: dict) -> ForwardResult:
+        per_datum = [outputs[(j, i)] for i in range(len(job.examples))]
+        metric_sums: dict[str, float] = {}
+        active = 0.0
+        for (_, loss, token_metrics), ex in zip(per_datum, job.examples):
+            mask = torch.tensor(ex.inputs.get("weights", [1.0] * len(ex.tokens))) != 0
+            active += float(mask.sum())
+            for name, values in token_metrics.items():
+                metric_sums[name] = metric_sums.get(name, 0.0) + float(values[mask].sum())
+        metrics = {"loss:sum": float(sum(float(loss.sum()) for _, loss, _ in per_datum))}
+        metrics.update({f"{k}:mean": v / max(active, 1.0) for k, v in metric_sums.items()})
+        return ForwardResult(
+            logprobs=[lp.tolist() for lp, _, _ in per_datum],
+            elementwise_loss=[loss.tolist() for _, loss, _ in per_datum],
+            metrics=metrics,
+        )
+
+    # -- optimizer ----------------------------------------------------------------------
+
+    def optim_step(self, adapter_id: str, cfg: AdamConfig) -> dict[str, float]:
+        """One AdamW step on the accumulated grads of one adapter; grads are then cleared."""
+        adapter = self._adapter(adapter_id)
+        with self.lock:
+            return adamw_step(self.adapter_params(adapter_id), adapter.optim, cfg)
+
+    def zero_grad(self, adapter_id: str) -> None:
+        for p in self.adapter_params(adapter_id).values():
+            p.grad = None
+
+    # -- sampling ---------------------------------------------------------------------
+
+    def sample(self, requests: list[sampler.SampleRequest]) -> list[sampler.SampleResult]:
+        """Sample for several requests (any adapters) in shared decode batches."""
+        for k, req in enumerate(requests):
+            sampler.validate_request(req, k, self.vocab_size, self.max_seq_len)
+            if req.adapter_id is not None:
+                self._adapter(req.adapter_id)
+        with self.lock, torch.no_grad():
+            return sampler.generate(self, requests)
+
+    def compute_logprobs(self, adapter_id: str | None, tokens: list[int]) -> list[float | None]:
+        """log p(token_t | tokens_<t) for each prompt token; None for the first."""
+        if not tokens:
+            raise InvalidInputError("prompt: empty sequence", field="prompt")
+        self._check_token_ids(tokens, "prompt", None)
+        if adapter_id is not None:
+            self._adapter(adapter_id)
+        job = ForwardJob(adapter_id, [Example(tokens[:-1], {"target_tokens": tokens[1:]})])
+        if len(tokens) == 1:
+            return [None]
+        return [None, *self.forward([job])[0].logprobs[0]]
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def save_state(self, adapter_id: str, folder: str, with_optimizer: bool = True) -> None:
+        adapter = self._adapter(adapter_id)
+        with self.lock:
+            checkpoint.save_training_state(
+                folder,
+                self.adapter_params(adapter_id),
+                adapter.config,
+                adapter.optim if with_optimizer else None,
+                self.model_name,
+            )
+
+    def load_state(self, adapter_id: str, folder: str, with_optimizer: bool) -> None:
+        """Create (or replace) ``adapter_id`` from a saved training state."""
+        state = checkpoint.load_training_state(folder, with_optimizer)
+        if state.base_model != self.model_name:
+            raise InvalidInputError(
+                f"path: checkpoint is for base model {state.base_model!r}, "
+                f"this host serves {self.model_name!r}",
+                field="path",
+            )
+        with self.lock:
+            self.delete_adapter(adapter_id)
+            self.create_adapter(adapter_id, state.config)
+            params = self.adapter_params(adapter_id)
+            with torch.no_grad():
+                for name, tensor in state.weights.items():
+                    params[name].copy_(tensor)
+            if state.optim is not None:
+                self.adapters[adapter_id].optim = state.optim
+
+    def save_sampler_weights(self, adapter_id: str, folder: str) -> None:
+        """A PEFT adapter folder that peft/vLLM load on the same base model."""
+        adapter = self._adapter(adapter_id)
+        with self.lock:
+            checkpoint.save_peft_adapter(
+                folder, self.adapter_params(adapter_id), adapter.config, self.model_name
+            )
+
+    def load_sampler_weights(self, adapter_id: str, folder: str) -> None:
+        """Load a PEFT adapter folder (ours or any rank-r LoRA on the same targets)."""
+        config, weights = checkpoint.load_peft_adapter(folder)
+        with self.lock:
+            self.delete_adapter(adapter_id)
+            self.create_adapter(adapter_id, config)
+            params = self.adapter_params(adapter_id)
+            with torch.no_grad():
+                for name, tensor in weights.items():
+                    params[name].copy_(tensor)
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.model.config
+        return {
+            "model_name": self.model_name,
+            "architecture": cfg.model_type,
+            "vocab_size": self.vocab_size,
+            "max_seq_len": self.max_seq_len,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "num_adapters": len(self.adapters),
+        }
+
+
+def _loss_inputs(ex: Example, n: int) -> dict[str, torch.Tensor]:
+    inputs = {k: torch.tensor(v, dtype=torch.float32) for k, v in ex.inputs.items()}
+    inputs.setdefault("weights", torch.ones(n))
+    return inputs

@@ -1,0 +1,181 @@
+"""Multi-adapter LoRA over one shared, frozen base model.
+
+Each target ``nn.Linear`` is wrapped once in a ``LoRALinear`` that holds, per adapter,
+``A`` (r, in) and ``B`` (out, r); the output for a row routed to adapter ``a`` is
+
+    y = x W0^T + (alpha / r) * (x A_a^T) B_a^T
+
+Rows are routed by a ``Routing`` object shared by all wrappers of a model and set by
+the host before each forward: a list of (adapter_id, row indices). Rows that no
+segment names run the plain base model. One batch can therefore hold rows of several
+users' adapters (one forward pass for many ``forward_backward`` calls); each row's
+result equals a run of its adapter alone.
+
+The LoRA parameters are kept in fp32 (they are the optimizer's master weights) and cast
+to the activations' dtype in forward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# α is fixed rather than tied to rank, as in "LoRA Without Regret" (Schulman et al.,
+# 2025): with scale α/r, the optimal learning rate is nearly rank-independent.
+LORA_ALPHA = 32.0
+MAX_RANK = 256
+
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_TARGETS = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Shape of one adapter. ``alpha`` is fixed at 32 (see module docstring)."""
+
+    rank: int = 32
+    seed: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    alpha: float = LORA_ALPHA
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"rank: must be an integer in [1, {MAX_RANK}], got {self.rank!r}")
+        if not (self.train_attn or self.train_mlp or self.train_unembed):
+            raise ValueError(
+                "train_attn, train_mlp, train_unembed: at least one must be true, got all false"
+            )
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def targets(self) -> tuple[str, ...]:
+        """Module-name suffixes this adapter applies to."""
+        return (
+            (ATTN_TARGETS if self.train_attn else ())
+            + (MLP_TARGETS if self.train_mlp else ())
+            + (UNEMBED_TARGETS if self.train_unembed else ())
+        )
+
+
+class Routing:
+    """Which batch rows use which adapter for the next forward. Shared by all wrappers."""
+
+    def __init__(self) -> None:
+        self.segments: list[tuple[str, torch.Tensor | None]] = []
+
+    @contextmanager
+    def use(self, segments: list[tuple[str, torch.Tensor | None]]) -> Iterator[None]:
+        """Route rows: ``[(adapter_id, row_indices or None for all rows)]``."""
+        previous, self.segments = self.segments, segments
+        try:
+            yield
+        finally:
+            self.segments = previous
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus any number of named low-rank adapters."""
+
+    def __init__(self, base: nn.Linear, routing: Routing):
+        super().__init__()
+        self.base = base
+        self.routing = routing
+        self.lora_A: dict[str, torch.Tensor] = {}  # id -> (r, in), fp32
+        self.lora_B: dict[str, torch.Tensor] = {}  # id -> (out, r), fp32
+        self.scales: dict[str, float] = {}
+
+    @property
+    def weight(self) -> torch.Tensor:  # models that tie or inspect weights still work
+        return self.base.weight
+
+    def add(self, adapter_id: str, rank: int, scale: float, gen: torch.Generator) -> None:
+        out_f, in_f = self.base.weight.shape
+        # A as PEFT's default (kaiming-uniform, a=sqrt(5)) -> U(-1/sqrt(in), 1/sqrt(in)); B = 0.
+        bound = 1.0 / math.sqrt(in_f)
+        a = (torch.rand(rank, in_f, generator=gen) * 2 - 1) * bound
+        self.lora_A[adapter_id] = a.requires_grad_(True)
+        self.lora_B[adapter_id] = torch.zeros(out_f, rank, requires_grad=True)
+        self.scales[adapter_id] = scale
+
+    def remove(self, adapter_id: str) -> None:
+        self.lora_A.pop(adapter_id, None)
+        self.lora_B.pop(adapter_id, None)
+        self.scales.pop(adapter_id, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, in)
+        out = self.base(x)  # (B, T, out)
+        for adapter_id, rows in self.routing.segments:
+            if adapter_id not in self.lora_A:
+                continue
+            a = self.lora_A[adapter_id].to(x.dtype)
+            b = self.lora_B[adapter_id].to(x.dtype)
+            scale = self.scales[adapter_id]
+            if rows is None:
+                out = out + (x @ a.t()) @ b.t() * scale
+            else:
+                delta = (x[rows] @ a.t()) @ b.t() * scale  # (rows, T, out)
+                out = out.index_add(0, rows, delta)
+        return out
+
+
+def install(model: nn.Module) -> Routing:
+    """Wrap every candidate linear layer of ``model`` once; returns the shared Routing."""
+    routing = Routing()
+    suffixes = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in suffixes and isinstance(child, nn.Linear):
+                setattr(module, child_name, LoRALinear(child, routing))
+    return routing
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    """(module path as in the plain model, wrapper) for every wrapped layer."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            yield name, module
+
+
+def add_adapter(model: nn.Module, adapter_id: str, config: LoraConfig) -> None:
+    """Create adapter weights in every targeted layer, deterministically from the seed."""
+    gen = torch.Generator().manual_seed(config.seed)
+    targets = config.targets()
+    for name, module in lora_modules(model):
+        if name.rsplit(".", 1)[-1] in targets:
+            module.add(adapter_id, config.rank, config.scale, gen)
+
+
+def remove_adapter(model: nn.Module, adapter_id: str) -> None:
+    for _, module in lora_modules(model):
+        module.remove(adapter_id)
+
+
+def adapter_tensors(model: nn.Module, adapter_id: str) -> dict[str, torch.Tensor]:
+    """``{"<module>.lora_A": A, "<module>.lora_B": B}``: the adapter's parameters, live."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in lora_modules(model):
+        if adapter_id in module.lora_A:
+            tensors[f"{name}.lora_A"] = module.lora_A[adapter_id]
+            tensors[f"{name}.lora_B"] = module.lora_B[adapter_id]
+    return tensors
+
+
+def segments(row_adapters: Sequence[str | None]) -> list[tuple[str, torch.Tensor | None]]:
+    """Group rows by adapter: [(adapter_id, row indices, or None when it has all rows)]."""
+    groups: dict[str, list[int]] = {}
+    for row, adapter_id in enumerate(row_adapters):
+        if adapter_id is not None:
+            groups.setdefault(adapter_id, []).append(row)
+    if len(groups) == 1 and len(next(iter(groups.values()))) == len(row_adapters):
+        return [(next(iter(groups)), None)]
+    return [(a, torch.tensor(rows)) for a, rows in groups.items()]

@@ -1,0 +1,104 @@
+"""Built-in losses: pure functions of the target tokens' logprobs.
+
+Each loss takes ``logp`` (N,) — the model's logprob of each target token, with grad —
+the datum's ``loss_fn_inputs`` as fp32 tensors (N,), and the ``loss_fn_config`` dict,
+and returns ``(per_token_loss (N,), token_metrics)``. The total loss of a batch is the
+*sum* of per-token losses (Tinker's convention: normalise with ``weights`` yourself).
+``token_metrics`` are per-token values that the host averages over the tokens with a
+non-zero weight and reports as ``"<name>:mean"``.
+
+Every loss multiplies by ``weights`` when given (default 1), so RL data can mask its
+prompt tokens exactly as SFT data does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+LossResult = tuple[Tensor, dict[str, Tensor]]
+
+
+def cross_entropy(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
+    """Supervised NLL: ``L_t = -w_t · logp_t``."""
+    return -logp * inputs["weights"], {}
+
+
+def importance_sampling(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
+    """REINFORCE with an importance weight for off-policy samples.
+
+    ``L_t = -w_t · exp(logp_t - q_t) · A_t`` where q = sampler ``logprobs``, A = ``advantages``.
+    """
+    ratio = torch.exp(logp - inputs["logprobs"])
+    return -inputs["weights"] * ratio * inputs["advantages"], {"ratio": ratio.detach()}
+
+
+def ppo(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
+    """Clipped surrogate objective (Schulman et al., 2017, "Proximal Policy Optimization").
+
+    ``r_t = exp(logp_t - q_t)``, ``L_t = -w_t · min(r_t·A_t, clip(r_t, low, high)·A_t)``
+    with ``low = clip_low_threshold`` (0.8) and ``high = clip_high_threshold`` (1.2).
+    Metrics: the fraction of tokens clipped below and above.
+    """
+    low = float(config.get("clip_low_threshold", 0.8))
+    high = float(config.get("clip_high_threshold", 1.2))
+    adv = inputs["advantages"]
+    ratio = torch.exp(logp - inputs["logprobs"])
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+    metrics = {
+        "clip_low_fraction": ((ratio < low) & (adv < 0)).float(),
+        "clip_high_fraction": ((ratio > high) & (adv > 0)).float(),
+        "ratio": ratio.detach(),
+    }
+    return -inputs["weights"] * surrogate, metrics
+
+
+def cispo(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
+    """Clipped IS-weight policy optimisation (MiniMax-M1 report, arXiv:2506.13585).
+
+    The importance weight is clipped and *detached*, so every token keeps a gradient:
+    ``L_t = -w_t · sg(clip(r_t, low, high)) · A_t · logp_t`` with r = exp(logp - q),
+    bounds ``clip_low_threshold`` (0.8) and ``clip_high_threshold`` (1.2).
+    """
+    low = float(config.get("clip_low_threshold", 0.8))
+    high = float(config.get("clip_high_threshold", 1.2))
+    ratio = torch.exp(logp - inputs["logprobs"]).detach()
+    clipped = ratio.clamp(low, high)
+    metrics = {"clip_fraction": ((ratio < low) | (ratio > high)).float(), "ratio": ratio}
+    return -inputs["weights"] * clipped * inputs["advantages"] * logp, metrics
+
+
+def dro(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
+    """Direct reward optimisation with a quadratic penalty (Richemond et al., 2024,
+    "Offline Regularised Reinforcement Learning for LLM Alignment", arXiv:2405.19107).
+
+    ``L_t = -w_t · (A_t · logp_t - (beta / 2) · (logp_t - q_t)^2)``, ``beta`` from the
+    config (default 0.05): the policy gradient on A plus a penalty that keeps the policy
+    near the sampler.
+    """
+    beta = float(config.get("beta", 0.05))
+    log_ratio = logp - inputs["logprobs"]
+    objective = inputs["advantages"] * logp - 0.5 * beta * log_ratio**2
+    return -inputs["weights"] * objective, {"log_ratio": log_ratio.detach()}
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    fn: Callable[[Tensor, dict[str, Tensor], dict], LossResult]
+    required: tuple[str, ...]  # loss_fn_inputs the loss needs besides target_tokens
+    config_keys: tuple[str, ...] = ()
+
+
+LOSSES: dict[str, LossSpec] = {
+    "cross_entropy": LossSpec(cross_entropy, ()),
+    "importance_sampling": LossSpec(importance_sampling, ("logprobs", "advantages")),
+    "ppo": LossSpec(ppo, ("logprobs", "advantages"), ("clip_low_threshold", "clip_high_threshold")),
+    "cispo": LossSpec(cispo, ("logprobs", "advantages"), ("clip_low_threshold", "clip_high_threshold")),
+    "dro": LossSpec(dro, ("logprobs", "advantages"), ("beta",)),
+}
+
+# Inputs every loss accepts; anything else in loss_fn_inputs is an error (a typo).
+OPTIONAL_INPUTS = ("weights",)

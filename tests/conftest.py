@@ -1,0 +1,43 @@
+"""Shared fixtures. Engine hosts are expensive, so one per model per session.
+
+Unit tests use tiny random-init models (fp32); a few integration tests, marked
+``slow``, use the bundled SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_ids = itertools.count()
+
+
+@pytest.fixture
+def new_id():
+    """Unique adapter ids, so tests sharing a host never collide."""
+    return lambda prefix="a": f"{prefix}-{next(_ids)}"
+
+
+@pytest.fixture(scope="session")
+def tiny_host():
+    from trio_engine import TINY_LLAMA, ModelHost
+
+    return ModelHost(TINY_LLAMA, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def qwen_host():
+    from trio_engine import TINY_QWEN3, ModelHost
+
+    return ModelHost(TINY_QWEN3, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def bundled_host():
+    from trio_engine import DEFAULT_MODEL, ModelHost
+
+    return ModelHost(DEFAULT_MODEL, dtype="float32")

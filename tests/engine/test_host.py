@@ -1,0 +1,132 @@
+"""forward / forward_backward: reference logprobs, batch independence, accumulation, bad input."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from trio_engine import Example, ForwardJob, InvalidInputError, LoraConfig
+
+from .helpers import assert_same_snapshot, plain_model, random_example, randomize_adapter, reference_logprobs, snapshot
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("host_fixture, name", [("tiny_host", "trio/tiny-llama"), ("qwen_host", "trio/tiny-qwen3")])
+def test_logprobs_match_plain_transformers(request, host_fixture, name):
+    host = request.getfixturevalue(host_fixture)
+    rng = random.Random(0)
+    data = [random_example(host.vocab_size, n, rng) for n in (5, 17, 9)]
+    result = host.forward([ForwardJob(None, data)])[0]
+    ref_model = plain_model(name)
+    for ex, lp, loss in zip(data, result.logprobs, result.elementwise_loss):
+        ref = reference_logprobs(ref_model, ex.tokens, ex.inputs["target_tokens"])
+        torch.testing.assert_close(torch.tensor(lp), ref, atol=TOL, rtol=TOL)
+        expected_loss = -ref * torch.tensor(ex.inputs["weights"])
+        torch.testing.assert_close(torch.tensor(loss), expected_loss, atol=TOL, rtol=TOL)
+    total = sum(sum(x) for x in result.elementwise_loss)
+    assert result.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
+
+
+def test_result_does_not_depend_on_batch(tiny_host, new_id):
+    """A datum alone and inside a ragged batch split into several micro-batches agree."""
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=4))
+    randomize_adapter(tiny_host, aid, seed=1)
+    rng = random.Random(1)
+    data = [random_example(tiny_host.vocab_size, n, rng) for n in (3, 40, 7, 64, 12, 64, 1)]
+    budget, tiny_host.max_batch_tokens = tiny_host.max_batch_tokens, 128  # force several micro-batches
+    try:
+        batched = tiny_host.forward([ForwardJob(aid, data)])[0].logprobs
+    finally:
+        tiny_host.max_batch_tokens = budget
+    for ex, lp in zip(data, batched):
+        alone = tiny_host.forward([ForwardJob(aid, [ex])])[0].logprobs[0]
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(alone), atol=TOL, rtol=TOL)
+
+
+def test_grads_accumulate_and_forward_adds_none(tiny_host, new_id):
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=4))
+    randomize_adapter(tiny_host, aid, seed=2)
+    data = [random_example(tiny_host.vocab_size, 8, random.Random(2))]
+    tiny_host.forward_backward([ForwardJob(aid, data)])
+    once = {k: p.grad.clone() for k, p in tiny_host.adapter_params(aid).items()}
+    tiny_host.forward([ForwardJob(aid, data)])
+    assert all(torch.equal(once[k], p.grad) for k, p in tiny_host.adapter_params(aid).items())
+    tiny_host.forward_backward([ForwardJob(aid, data)])
+    for k, p in tiny_host.adapter_params(aid).items():
+        torch.testing.assert_close(p.grad, 2 * once[k], atol=1e-6, rtol=1e-5)
+
+
+def test_gradient_matches_autograd_on_plain_formula(tiny_host, new_id):
+    """dL/dB of cross-entropy equals autograd through a hand-built W0 + (α/r)·B·A model."""
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=2, train_attn=False, train_mlp=False))
+    randomize_adapter(tiny_host, aid, seed=3)
+    ex = random_example(tiny_host.vocab_size, 6, random.Random(3))
+    tiny_host.forward_backward([ForwardJob(aid, [ex])])
+    params = tiny_host.adapter_params(aid)
+    a, b = params["lm_head.lora_A"].detach(), params["lm_head.lora_B"].detach().clone().requires_grad_(True)
+    model = plain_model("trio/tiny-llama")
+    hidden = model.model(input_ids=torch.tensor([ex.tokens])).last_hidden_state[0]
+    logits = hidden @ model.lm_head.weight.T + (32 / 2) * hidden @ a.T @ b.T
+    logp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ex.inputs["target_tokens"])[:, None])[:, 0]
+    (-(logp * torch.tensor(ex.inputs["weights"])).sum()).backward()
+    torch.testing.assert_close(params["lm_head.lora_B"].grad, b.grad, atol=1e-5, rtol=1e-4)
+    tiny_host.zero_grad(aid)
+
+
+def _bad_cases(vocab):
+    ok = lambda: Example([1, 2, 3], {"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})  # noqa: E731
+
+    def with_(**changes):
+        ex = ok()
+        for k, v in changes.items():
+            if k == "tokens":
+                ex.tokens = v
+            elif v is None:
+                ex.inputs.pop(k)
+            else:
+                ex.inputs[k] = v
+        return ex
+
+    return [
+        ("token id", "cross_entropy", [ok(), with_(tokens=[1, vocab, 3])], 1, "model_input", str(vocab)),
+        ("negative target", "cross_entropy", [with_(target_tokens=[2, -1, 4])], 0, "target_tokens", "-1"),
+        ("weights length", "cross_entropy", [ok(), ok(), with_(weights=[1.0, 1.0])], 2, "weights", "length 2"),
+        ("nan weight", "cross_entropy", [with_(weights=[1.0, math.nan, 1.0])], 0, "weights", "nan"),
+        ("inf advantage", "importance_sampling",
+         [with_(logprobs=[0.0] * 3, advantages=[0, math.inf, 0])], 0, "advantages", "inf"),
+        ("logprobs length", "ppo", [with_(logprobs=[0.0], advantages=[0.0] * 3)], 0, "logprobs", "length 1"),
+        ("missing advantages", "ppo", [with_(logprobs=[0.0] * 3)], 0, "advantages", "missing"),
+        ("missing targets", "cross_entropy", [with_(target_tokens=None)], 0, "target_tokens", "missing"),
+        ("unknown input", "cross_entropy", [with_(weigths=[1.0] * 3)], 0, "weigths", "unknown"),
+        ("empty sequence", "cross_entropy", [Example([], {"target_tokens": []})], 0, "model_input", "empty"),
+        ("too long", "cross_entropy", [Example([1] * 600, {"target_tokens": [1] * 600})], 0, "model_input", "600"),
+        ("empty batch", "cross_entropy", [], None, "data", "empty"),
+        ("unknown loss", "crossentropy", [ok()], None, "loss_fn", "crossentropy"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(13))
+def test_bad_input_names_datum_field_value_and_changes_nothing(tiny_host, new_id, case):
+    name, loss, data, index, field, value = _bad_cases(tiny_host.vocab_size)[case]
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=2))
+    tiny_host.forward_backward([ForwardJob(aid, [Example([1, 2], {"target_tokens": [2, 3]})])])
+    before = snapshot(tiny_host, aid)
+    with pytest.raises(InvalidInputError) as err:
+        tiny_host.forward_backward([ForwardJob(aid, data, loss)])
+    assert err.value.index == index, name
+    assert field in str(err.value) and value in str(err.value), str(err.value)
+    if index is not None:
+        assert f"data[{index}]" in str(err.value)
+    assert_same_snapshot(before, snapshot(tiny_host, aid))
+
+
+def test_bad_loss_config(tiny_host):
+    ex = Example([1, 2], {"target_tokens": [2, 3], "logprobs": [0, 0], "advantages": [1, 1]})
+    with pytest.raises(InvalidInputError, match="clip_hi"):
+        tiny_host.forward([ForwardJob(None, [ex], "ppo", {"clip_hi": 2.0})])

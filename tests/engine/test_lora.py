@@ -1,0 +1,97 @@
+"""LoRA against a hand-written W0 + (α/r)·B·A, and multi-adapter batches against solo runs."""
+
+import pytest
+import torch
+
+from trio_engine import LORA_ALPHA, Example, ForwardJob, LoraConfig
+from trio_engine.lora import LoRALinear, Routing
+
+from .helpers import plain_model, randomize_adapter, reference_logprobs
+
+TOL = 1e-5  # fp32, tiny shapes
+
+
+def test_lora_linear_matches_formula():
+    torch.manual_seed(0)
+    base = torch.nn.Linear(12, 7, bias=True)
+    routing = Routing()
+    layer = LoRALinear(base, routing)
+    layer.add("a", rank=4, scale=LORA_ALPHA / 4, gen=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        layer.lora_B["a"].normal_()
+    x = torch.randn(3, 5, 12)
+    a, b = layer.lora_A["a"], layer.lora_B["a"]
+    expected = x @ base.weight.T + base.bias + (LORA_ALPHA / 4) * (x @ a.T @ b.T)
+    with routing.use([("a", None)]):
+        torch.testing.assert_close(layer(x), expected, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(layer(x), base(x))  # unrouted rows run the base model
+
+
+def test_new_adapter_changes_nothing(tiny_host, new_id):
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=8, seed=3))
+    ex = Example([5, 17, 300, 42], {"target_tokens": [17, 300, 42, 9]})
+    ours = tiny_host.forward([ForwardJob(aid, [ex])])[0].logprobs[0]
+    ref = reference_logprobs(plain_model("trio/tiny-llama"), ex.tokens, ex.inputs["target_tokens"])
+    torch.testing.assert_close(torch.tensor(ours), ref, atol=TOL, rtol=TOL)
+
+
+def test_seed_determines_weights(tiny_host, new_id):
+    ids = [new_id() for _ in range(3)]
+    for aid, seed in zip(ids, (7, 7, 8)):
+        tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=seed))
+    p0, p1, p2 = (tiny_host.adapter_params(a) for a in ids)
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+    assert any(not torch.equal(p0[k], p2[k]) for k in p0 if k.endswith("lora_A"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(rank=0), "rank"),
+        (dict(rank=1000), "rank"),
+        (dict(rank=2.5), "rank"),
+        (dict(train_attn=False, train_mlp=False, train_unembed=False), "train_attn"),
+    ],
+)
+def test_bad_config(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LoraConfig(**kwargs)
+
+
+def test_targets_follow_flags(tiny_host, new_id):
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=2, train_attn=False, train_unembed=False))
+    names = {k.rsplit(".", 2)[-2] for k in tiny_host.adapter_params(aid)}
+    assert names == {"gate_proj", "up_proj", "down_proj"}
+
+
+def test_one_base_copy_for_many_adapters(tiny_host, new_id):
+    base_ptrs = {id(p) for p in tiny_host.model.parameters()}
+    for _ in range(3):
+        tiny_host.create_adapter(new_id(), LoraConfig(rank=4))
+    assert {id(p) for p in tiny_host.model.parameters()} == base_ptrs
+
+
+def test_mixed_adapter_batch_equals_solo_runs(tiny_host, new_id):
+    """Rows of adapters a, b and of the base model in one pass: each equals its solo run."""
+    a, b = new_id(), new_id()
+    for k, aid in enumerate((a, b)):
+        tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=k))
+        randomize_adapter(tiny_host, aid, seed=10 + k)
+    ex = lambda toks: Example(toks[:-1], {"target_tokens": toks[1:]})  # noqa: E731
+    data = {a: [ex([1, 2, 3, 4, 5, 6])], b: [ex([9, 8, 7]), ex([3, 3, 3, 3])], None: [ex([4, 5, 6, 7])]}
+
+    mixed = tiny_host.forward_backward([ForwardJob(k, v) for k, v in data.items()])
+    mixed_grads = {aid: {k: p.grad.clone() for k, p in tiny_host.adapter_params(aid).items()} for aid in (a, b)}
+    for aid in (a, b):
+        tiny_host.zero_grad(aid)
+
+    for j, (aid, examples) in enumerate(data.items()):
+        solo = tiny_host.forward_backward([ForwardJob(aid, examples)])[0]
+        for got, want in zip(mixed[j].logprobs, solo.logprobs):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=TOL, rtol=TOL)
+        if aid is not None:
+            for k, p in tiny_host.adapter_params(aid).items():
+                torch.testing.assert_close(mixed_grads[aid][k], p.grad, atol=TOL, rtol=1e-4)
+            tiny_host.zero_grad(aid)

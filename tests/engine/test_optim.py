@@ -1,0 +1,57 @@
+"""Our AdamW against torch.optim.AdamW, step for step; clipping against clip_grad_norm_."""
+
+import random
+
+import pytest
+import torch
+
+from trio_engine import AdamConfig, ForwardJob, LoraConfig
+from trio_engine.optim import AdamState, adamw_step
+
+from .helpers import random_example
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_matches_torch_adamw(clip):
+    gen = torch.Generator().manual_seed(0)
+    ours = {"w": torch.randn(5, 4, generator=gen), "b": torch.randn(3, generator=gen)}
+    ref = {k: v.clone().requires_grad_(True) for k, v in ours.items()}
+    state = AdamState()
+    schedule = [AdamConfig(learning_rate=lr, beta1=0.85, beta2=0.99, eps=1e-8, weight_decay=0.1, grad_clip_norm=clip)
+                for lr in (1e-2, 2e-2, 5e-3, 1e-2, 1e-2, 3e-3)]
+    torch_opt = torch.optim.AdamW(ref.values(), lr=1e-2, betas=(0.85, 0.99), eps=1e-8, weight_decay=0.1)
+    for cfg in schedule:
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in ours.items()}
+        for k in ours:
+            ours[k].grad = grads[k].clone()
+            ref[k].grad = grads[k].clone()
+        metrics = adamw_step(ours, state, cfg)
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(ref.values(), clip)
+            assert metrics["grad_norm"] == pytest.approx(float(norm), rel=1e-6)
+        for g in torch_opt.param_groups:
+            g["lr"] = cfg.learning_rate
+        torch_opt.step()
+        for k in ours:
+            torch.testing.assert_close(ours[k], ref[k].detach(), atol=1e-6, rtol=1e-5)
+            assert ours[k].grad is None
+    assert state.step == len(schedule)
+
+
+def test_weight_decay_touches_only_that_adapter(tiny_host, new_id):
+    a, b = new_id(), new_id()
+    for aid in (a, b):
+        tiny_host.create_adapter(aid, LoraConfig(rank=2))
+    before_b = {k: v.clone() for k, v in tiny_host.adapter_params(b).items()}
+    ex = random_example(tiny_host.vocab_size, 6, random.Random(0))
+    tiny_host.forward_backward([ForwardJob(a, [ex])])
+    metrics = tiny_host.optim_step(a, AdamConfig(learning_rate=0.1, weight_decay=0.5))
+    assert metrics["grad_norm"] > 0 and metrics["learning_rate"] == 0.1
+    assert all(torch.equal(before_b[k], v) for k, v in tiny_host.adapter_params(b).items())
+    assert any(not torch.equal(before_b[k], v) for k, v in tiny_host.adapter_params(a).items())
+
+
+@pytest.mark.parametrize("field, value", [("learning_rate", -1.0), ("beta1", 1.0), ("eps", float("nan"))])
+def test_bad_adam_params(field, value):
+    with pytest.raises(ValueError, match=field):
+        AdamConfig(**{field: value})
