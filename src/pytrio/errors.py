@@ -1,0 +1,82 @@
+"""One exception tree for the SDK, and the one place that maps wire errors onto it.
+
+    TrioError
+    ├── ValidationError        bad input (also a ValueError)         HTTP 400/413/422
+    ├── AuthenticationError    missing or wrong API key              HTTP 401
+    ├── NotFoundError          unknown run, sampler, checkpoint      HTTP 404
+    ├── CapacityError          over a limit or queue full            HTTP 429
+    ├── ServerError            the service failed                    HTTP 5xx
+    ├── ConnectionError        could not reach the service
+    └── TimeoutError           no answer in time
+
+Every error carries the ``request_id`` of the operation it belongs to, when known.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TrioError(Exception):
+    category = "server"
+
+    def __init__(self, message: str, request_id: str | None = None, status_code: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.request_id = request_id
+        self.status_code = status_code
+
+    def __str__(self) -> str:
+        return f"{self.message} (request_id={self.request_id})" if self.request_id else self.message
+
+
+class ValidationError(TrioError, ValueError):
+    category = "validation"
+
+
+class AuthenticationError(TrioError):
+    category = "authentication"
+
+
+class NotFoundError(TrioError):
+    category = "not_found"
+
+
+class CapacityError(TrioError):
+    category = "capacity"
+
+
+class ServerError(TrioError):
+    category = "server"
+
+
+class ConnectionError(TrioError):  # noqa: A001 - the SDK's own, distinct from the builtin
+    category = "connection"
+
+
+class TimeoutError(TrioError):  # noqa: A001
+    category = "timeout"
+
+
+_BY_CATEGORY = {cls.category: cls for cls in (ValidationError, AuthenticationError, NotFoundError, CapacityError, ServerError, ConnectionError, TimeoutError)}
+_BY_STATUS = {400: ValidationError, 401: AuthenticationError, 403: AuthenticationError, 404: NotFoundError, 413: ValidationError, 422: ValidationError, 429: CapacityError}
+
+
+def error_from_category(category: str, message: str, request_id: str | None = None) -> TrioError:
+    return _BY_CATEGORY.get(category, ServerError)(message, request_id)
+
+
+def error_from_status(status: int, message: str, request_id: str | None = None) -> TrioError:
+    cls = _BY_STATUS.get(status, ServerError if status >= 500 else ValidationError)
+    return cls(message, request_id, status)
+
+
+def describe_validation_error(exc: Any) -> str:
+    """A pydantic ValidationError as 'field.path: message (got value)'."""
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(f"[{x}]" if isinstance(x, int) else str(x) for x in err["loc"]).replace(".[", "[")
+        value = err.get("input")
+        shown = type(value).__name__ if isinstance(value, dict | list) else repr(value)
+        parts.append(f"{loc}: {err['msg']} (got {shown[:80]})")
+    return "; ".join(parts)

@@ -1,0 +1,114 @@
+"""Futures and the SDK's background event loop.
+
+Each SDK operation is written once, as a coroutine. A sync call schedules it on one
+background event loop (a daemon thread shared by all clients) and returns an
+``APIFuture`` at once; the ``_async`` twin returns the same future from a coroutine.
+``APIFuture`` supports ``.result(timeout)``, ``done()`` and ``await``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Generic, TypeVar
+
+from .errors import TimeoutError as TrioTimeoutError
+
+T = TypeVar("T")
+
+
+class _LoopThread:
+    """One event loop in a daemon thread; coroutines from any thread run on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="pytrio-loop", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+
+_loop: _LoopThread | None = None
+_loop_lock = threading.Lock()
+
+
+def background_loop() -> _LoopThread:
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = _LoopThread()
+        return _loop
+
+
+class APIFuture(Generic[T]):
+    """The result of an operation that is still running on the service.
+
+    Example:
+        >>> fut = training_client.forward_backward(data, "cross_entropy")
+        >>> out = fut.result()          # or: out = await fut
+    """
+
+    def __init__(self, future: concurrent.futures.Future[T]):
+        self._future = future
+
+    def result(self, timeout: float | None = None) -> T:
+        """Block until done; raises the operation's TrioError, or TimeoutError."""
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TrioTimeoutError(f"no result within {timeout} s") from None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __await__(self):
+        return asyncio.wrap_future(self._future).__await__()
+
+
+def schedule(coro: Coroutine[Any, Any, T]) -> APIFuture[T]:
+    """Run ``coro`` on the background loop; return its future at once."""
+    return APIFuture(background_loop().submit(coro))
+
+
+async def on_background(coro: Coroutine[Any, Any, T]) -> T:
+    """Await ``coro`` on the SDK's loop, from whichever loop the caller runs.
+
+    Transports (an httpx client, say) belong to one event loop; user code may await us
+    from its own. Hopping keeps all I/O on the background loop.
+    """
+    loop = background_loop()
+    if asyncio.get_running_loop() is loop.loop:
+        return await coro
+    return await asyncio.wrap_future(loop.submit(coro))
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on the background loop and wait for its value."""
+    return background_loop().submit(coro).result()
+
+
+def sync_twin(async_fn: Callable[..., Awaitable[T]], doc: str = "") -> Callable[..., T]:
+    """The blocking version of an async method that returns a value (not a future)."""
+
+    @functools.wraps(async_fn)
+    def method(self, *args, **kwargs):
+        return run_sync(async_fn(self, *args, **kwargs))
+
+    method.__name__ = async_fn.__name__.removesuffix("_async")
+    method.__doc__ = doc or f"Blocking version of ``{async_fn.__name__}``."
+    return method
+
+
+def async_twin(sync_fn: Callable[..., APIFuture[T]]) -> Callable[..., Awaitable[APIFuture[T]]]:
+    """The ``_async`` version of a future-returning method: ``await`` it for the future."""
+
+    @functools.wraps(sync_fn)
+    async def method(self, *args, **kwargs):
+        return sync_fn(self, *args, **kwargs)
+
+    method.__name__ = sync_fn.__name__ + "_async"
+    return method

@@ -1,0 +1,48 @@
+"""RestClient: the user's training runs and checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import types as t
+from .futures import on_background, sync_twin
+from .session import Session
+
+
+class RestClient:
+    """Inspect and manage runs and checkpoints. Every method has an ``_async`` twin."""
+
+    def __init__(self, session: Session):
+        self._session = session
+        self._transport = session.transport
+
+    async def list_training_runs_async(self) -> list[t.TrainingRun]:
+        return await on_background(self._transport.list_runs())
+
+    async def get_training_run_async(self, run_id: str) -> t.TrainingRun:
+        return await on_background(self._transport.get_run(run_id))
+
+    async def list_checkpoints_async(self, run_id: str) -> list[t.Checkpoint]:
+        """Checkpoints of one run."""
+        return await on_background(self._transport.list_checkpoints(run_id))
+
+    async def list_user_checkpoints_async(self) -> list[t.Checkpoint]:
+        """All of this user's checkpoints."""
+        return await on_background(self._transport.list_checkpoints(None))
+
+    async def delete_checkpoint_async(self, path: str) -> None:
+        await on_background(self._transport.delete_checkpoint(path))
+
+    async def download_checkpoint_archive_async(self, path: str, dest: str | Path = ".", progress: bool = True) -> Path:
+        """Download a checkpoint as a .tar into ``dest`` (a folder or a file name).
+
+        Over HTTP an interrupted download resumes where it stopped (range requests).
+        """
+        return await on_background(self._transport.download_checkpoint(path, Path(dest), progress))
+
+    list_training_runs = sync_twin(list_training_runs_async)
+    get_training_run = sync_twin(get_training_run_async)
+    list_checkpoints = sync_twin(list_checkpoints_async)
+    list_user_checkpoints = sync_twin(list_user_checkpoints_async)
+    delete_checkpoint = sync_twin(delete_checkpoint_async)
+    download_checkpoint_archive = sync_twin(download_checkpoint_archive_async)

@@ -1,0 +1,68 @@
+"""SamplingClient: generate from a base model or from saved sampler weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import types as t
+from .futures import APIFuture, async_twin, run_sync, schedule
+from .session import Session
+from .training import _validated
+
+
+class SamplingClient:
+    """Sample completions; requests from many clients share the service's decode batches.
+
+    Example:
+        >>> params = trio.SamplingParams(max_tokens=20, temperature=0.0, stop=["\\n"])
+        >>> seq = sampler.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0]
+        >>> seq.text, seq.tokens, seq.logprobs, seq.stop_reason
+    """
+
+    def __init__(self, session: Session, sampler_id: str, base_model: str, model_path: str | None = None):
+        self._session = session
+        self.sampler_id = sampler_id
+        self.base_model = base_model
+        self.model_path = model_path
+
+    def __repr__(self) -> str:
+        return f"SamplingClient(base_model={self.base_model!r}, model_path={self.model_path!r})"
+
+    def sample(
+        self,
+        prompt: t.ModelInput,
+        num_samples: int = 1,
+        sampling_params: t.SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+    ) -> APIFuture[t.SampleResponse]:
+        """``num_samples`` completions of ``prompt``.
+
+        Each sequence has ``tokens`` (every sampled token, a stop sequence or EOS included),
+        their ``logprobs`` under the model (temperature 1, the trainer's numerics),
+        ``text`` (the tokens decoded, special tokens skipped) and ``stop_reason``
+        (``"stop"`` or ``"length"``). With ``include_prompt_logprobs`` the response also has
+        ``prompt_logprobs`` (None for the first token).
+        """
+        request = _validated(
+            t.SampleRequest, sampler_id=self.sampler_id, prompt=prompt, num_samples=num_samples,
+            sampling_params=sampling_params or t.SamplingParams(), include_prompt_logprobs=include_prompt_logprobs,
+        )
+        return schedule(self._session.call("sample", request, t.SampleResponse))
+
+    def compute_logprobs(self, prompt: t.ModelInput) -> APIFuture[list[float | None]]:
+        """log p(token_t | tokens_<t) for every prompt token; None for the first."""
+        request = _validated(t.ComputeLogprobsRequest, sampler_id=self.sampler_id, prompt=prompt)
+        return schedule(self._logprobs(request))
+
+    async def _logprobs(self, request: t.ComputeLogprobsRequest) -> list[float | None]:
+        return (await self._session.call("compute_logprobs", request, t.ComputeLogprobsResponse)).logprobs
+
+    sample_async = async_twin(sample)
+    compute_logprobs_async = async_twin(compute_logprobs)
+
+    async def get_tokenizer_async(self) -> Any:
+        return await self._session.tokenizer(self.base_model)
+
+    def get_tokenizer(self) -> Any:
+        """The base model's Hugging Face tokenizer (files come from the service)."""
+        return run_sync(self.get_tokenizer_async())

@@ -1,0 +1,83 @@
+"""The request cycle every operation shares: submit once (idempotently), then long-poll
+the future until it is done or failed, and map failures onto the SDK's errors.
+Pure of I/O details: the transport moves the bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from .errors import ConnectionError as TrioConnectionError
+from .errors import error_from_category
+from .futures import on_background
+from .transport import Transport
+
+R = TypeVar("R", bound=BaseModel)
+
+SUBMIT_RETRIES = 5
+POLL_SECONDS = 30.0
+
+
+class Session:
+    """One connection to a service (a transport), shared by all clients it creates."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self._tokenizers: dict[str, Any] = {}
+
+    async def call(self, op: str, request: BaseModel, result_type: type[R]) -> R:
+        """Submit ``request`` as ``op`` and wait for its result (on the SDK's loop)."""
+        return await on_background(self._call(op, request, result_type))
+
+    async def _call(self, op: str, request: BaseModel, result_type: type[R]) -> R:
+        request_id = await self._submit(op, request.model_dump(mode="json"))
+        while True:
+            state = await self.transport.retrieve(request_id, POLL_SECONDS)
+            if state.status == "done":
+                return result_type.model_validate(state.result)
+            if state.status == "failed":
+                assert state.error is not None
+                raise error_from_category(state.error.category, state.error.message, request_id)
+
+    async def _submit(self, op: str, body: dict[str, Any]) -> str:
+        """Retries reuse one idempotency key, so a retried submit never runs twice."""
+        key = uuid.uuid4().hex
+        for attempt in range(SUBMIT_RETRIES):
+            try:
+                return await self.transport.submit(op, body, key)
+            except TrioConnectionError:
+                if attempt == SUBMIT_RETRIES - 1:
+                    raise
+                await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    async def tokenizer(self, base_model: str) -> Any:
+        """A Hugging Face tokenizer from files the service provides (no model hub)."""
+        if base_model not in self._tokenizers:
+            files = await on_background(self.transport.tokenizer_files(base_model))
+            self._tokenizers[base_model] = await asyncio.to_thread(_load_tokenizer, files.files)
+        return self._tokenizers[base_model]
+
+
+def _load_tokenizer(files: dict[str, str]) -> Any:
+    from transformers import AutoTokenizer
+
+    digest = hashlib.sha256("".join(sorted(files)).encode() + files.get("tokenizer.json", "").encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio") / "client-tokenizers" / digest
+    if not (folder / "tokenizer_config.json").exists():
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    return AutoTokenizer.from_pretrained(folder)

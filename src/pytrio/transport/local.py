@@ -1,0 +1,87 @@
+"""The embedded default: the service core in this process, reached without a network.
+
+Requests still go through their JSON form and the core's validation, so behaviour and
+errors match ``trio serve`` exactly. One core per data dir per process, created on
+first use (this is where torch and the engine get imported).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..errors import TrioError, error_from_category
+from ..types import Checkpoint, FutureResponse, ServerCapabilities, TokenizerFiles, TrainingRun
+
+LOCAL_USER = "local"
+_cores: dict[str, Any] = {}
+_cores_lock = threading.Lock()
+
+
+def default_data_dir() -> Path:
+    home = os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio"
+    return Path(home) / "embedded"
+
+
+def embedded_core(data_dir: Path | None = None) -> Any:
+    from trio_server.core import ServiceCore
+
+    folder = str(data_dir or default_data_dir())
+    with _cores_lock:
+        if folder not in _cores:
+            _cores[folder] = ServiceCore(folder, dtype=os.environ.get("TRIO_DTYPE"))
+        return _cores[folder]
+
+
+class LocalTransport:
+    def __init__(self, core: Any = None, user_id: str = LOCAL_USER):
+        self.core = core or embedded_core()
+        self.user_id = user_id
+
+    async def submit(self, op: str, body: dict[str, Any], idempotency_key: str) -> str:
+        return self._call(self.core.submit, self.user_id, op, body, idempotency_key)
+
+    async def retrieve(self, request_id: str, timeout: float) -> FutureResponse:
+        return await self.core.retrieve(self.user_id, request_id, timeout)
+
+    async def capabilities(self) -> ServerCapabilities:
+        return self.core.capabilities()
+
+    async def tokenizer_files(self, base_model: str) -> TokenizerFiles:
+        return await asyncio.to_thread(self._call, self.core.tokenizer_files, base_model)
+
+    async def list_runs(self) -> list[TrainingRun]:
+        return self._call(self.core.list_runs, self.user_id)
+
+    async def get_run(self, run_id: str) -> TrainingRun:
+        return self._call(self.core.get_run, self.user_id, run_id)
+
+    async def list_checkpoints(self, run_id: str | None) -> list[Checkpoint]:
+        return self._call(self.core.list_checkpoints, self.user_id, run_id)
+
+    async def delete_checkpoint(self, path: str) -> None:
+        self._call(self.core.delete_checkpoint, self.user_id, path)
+
+    async def download_checkpoint(self, path: str, dest: Path, progress: bool) -> Path:
+        archive = self._call(self.core.checkpoint_archive, self.user_id, path)
+        target = dest / archive.name if dest.is_dir() else dest
+        shutil.copyfile(archive, target)
+        return target
+
+    async def close(self) -> None:
+        pass
+
+    @staticmethod
+    def _call(fn: Any, *args: Any) -> Any:
+        from trio_server.core import ServiceError
+
+        try:
+            return fn(*args)
+        except ServiceError as exc:
+            raise error_from_category(exc.category, exc.message) from None
+        except TrioError:
+            raise

@@ -1,0 +1,373 @@
+"""Every type the wire carries: pydantic models shared by the SDK and the server.
+
+User-facing types (``Datum``, ``ModelInput``, ``TensorData``, ``AdamParams``,
+``SamplingParams`` and the responses) come first; the request/response envelopes of
+the protocol (``*Request``, ``FutureResponse``) follow. No torch here: ``TensorData``
+converts to and from torch only when asked, importing it lazily.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=False)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+class TensorData(_Model):
+    """A flat list of numbers with a dtype and shape; what ``loss_fn_inputs`` hold."""
+
+    data: list[float] | list[int]
+    dtype: Literal["int64", "float32"] = "float32"
+    shape: list[int] | None = None
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> TensorData:
+        dtype = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
+        return cls(data=array.reshape(-1).tolist(), dtype=dtype, shape=list(array.shape))
+
+    @classmethod
+    def from_torch(cls, tensor: Any) -> TensorData:
+        return cls.from_numpy(tensor.detach().cpu().numpy())
+
+    @classmethod
+    def coerce(cls, value: Any) -> TensorData:
+        """Lists, numpy arrays, torch tensors or TensorData -> TensorData."""
+        if isinstance(value, TensorData):
+            return value
+        if isinstance(value, dict):
+            return cls.model_validate(value)
+        if type(value).__module__.startswith("torch"):
+            return cls.from_torch(value)
+        array = np.asarray(value)
+        if array.dtype == object:
+            raise ValueError(f"cannot convert {type(value).__name__} to a tensor")
+        return cls.from_numpy(array)
+
+    def tolist(self) -> list:
+        return self.to_numpy().tolist()
+
+    def to_numpy(self) -> np.ndarray:
+        array = np.asarray(self.data, dtype=np.int64 if self.dtype == "int64" else np.float32)
+        return array.reshape(self.shape) if self.shape is not None else array
+
+    def to_torch(self) -> Any:
+        import torch  # only a user who asks for torch pays for it
+
+        return torch.from_numpy(self.to_numpy())
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+# --------------------------------------------------------------------------- model input
+
+
+class EncodedTextChunk(_Model):
+    tokens: list[int]
+    type: Literal["encoded_text"] = "encoded_text"
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+class ModelInput(_Model):
+    """A token sequence, as chunks (only encoded text for now)."""
+
+    chunks: list[EncodedTextChunk] = Field(default_factory=list)
+
+    @classmethod
+    def from_ints(cls, tokens: list[int]) -> ModelInput:
+        return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
+
+    @classmethod
+    def empty(cls) -> ModelInput:
+        return cls(chunks=[])
+
+    def to_ints(self) -> list[int]:
+        return [t for chunk in self.chunks for t in chunk.tokens]
+
+    @property
+    def length(self) -> int:
+        return sum(chunk.length for chunk in self.chunks)
+
+    def append(self, chunk: EncodedTextChunk) -> ModelInput:
+        return ModelInput(chunks=[*self.chunks, chunk])
+
+    def append_int(self, token: int) -> ModelInput:
+        return self.append(EncodedTextChunk(tokens=[int(token)]))
+
+
+class Datum(_Model):
+    """One training example: the input tokens and the loss function's per-token inputs."""
+
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData] = Field(default_factory=dict)
+
+    @field_validator("loss_fn_inputs", mode="before")
+    @classmethod
+    def _coerce_inputs(cls, value: Any) -> dict[str, TensorData]:
+        if not isinstance(value, dict):
+            raise ValueError(f"loss_fn_inputs must be a dict, got {type(value).__name__}")
+        out = {}
+        for key, item in value.items():
+            try:
+                out[key] = TensorData.coerce(item)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"loss_fn_inputs[{key!r}]: {exc}") from None
+        return out
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+class LoraConfig(_Model):
+    rank: int = 32
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+class AdamParams(_Model):
+    """AdamW hyper-parameters for one ``optim_step`` (defaults as in the user docs)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class SamplingParams(_Model):
+    """``stop`` takes strings or token ids; temperature 0 is greedy; top_k -1 is off."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    stop: str | list[str] | list[int] | None = None
+    seed: int | None = None
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class ForwardBackwardOutput(_Model):
+    """Per datum ``{"logprobs", "elementwise_loss"}``; ``metrics`` has ``loss:sum``."""
+
+    loss_fn_output_type: str = "TensorData"
+    loss_fn_outputs: list[dict[str, TensorData]]
+    metrics: dict[str, float]
+    elapsed_time: float = 0.0  # milliseconds
+
+
+class OptimStepResponse(_Model):
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class SaveWeightsResponse(_Model):
+    path: str
+
+
+class SaveWeightsForSamplerResponse(_Model):
+    path: str
+
+
+class LoadWeightsResponse(_Model):
+    path: str
+
+
+class SampledSequence(_Model):
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+    stop_reason: Literal["stop", "length"]
+
+
+class SampleResponse(_Model):
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+
+
+class ComputeLogprobsResponse(_Model):
+    logprobs: list[float | None]
+
+
+class CreateModelResponse(_Model):
+    model_id: str
+    base_model: str
+
+
+class CreateSamplerResponse(_Model):
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+
+
+class GetInfoResponse(_Model):
+    model_id: str
+    base_model: str
+    lora_rank: int
+    train_attn: bool
+    train_mlp: bool
+    train_unembed: bool
+    step: int
+    model_info: dict[str, Any] = Field(default_factory=dict)
+
+
+class ServerCapabilities(_Model):
+    supported_models: list[str]
+    max_tokens_per_request: int
+    max_seq_len: int
+    max_batch_size: int
+    max_lora_rank: int
+
+
+class Checkpoint(_Model):
+    path: str
+    run_id: str
+    kind: Literal["weights", "sampler_weights"]
+    name: str
+    created_at: str
+    size_bytes: int = 0
+
+
+class TrainingRun(_Model):
+    run_id: str
+    base_model: str
+    lora_rank: int
+    created_at: str
+    last_request_at: str | None = None
+    step: int = 0
+    checkpoints: list[Checkpoint] = Field(default_factory=list)
+
+
+class TokenizerFiles(_Model):
+    base_model: str
+    files: dict[str, str]  # filename -> text content
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+class CreateModelRequest(_Model):
+    base_model: str
+    lora_config: LoraConfig = Field(default_factory=LoraConfig)
+
+
+class CreateModelFromStateRequest(_Model):
+    path: str
+    with_optimizer: bool = False
+
+
+class _RunRequest(_Model):
+    model_id: str
+    seq: int = Field(ge=0)
+
+
+class ForwardRequest(_RunRequest):
+    data: list[Datum]
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: dict[str, float] | None = None
+
+
+class OptimStepRequest(_RunRequest):
+    adam_params: AdamParams = Field(default_factory=AdamParams)
+
+
+class SaveWeightsRequest(_RunRequest):
+    name: str
+    kind: Literal["weights", "sampler_weights"]
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, name: str) -> str:
+        if not CHECKPOINT_NAME.match(name):
+            raise ValueError(
+                f"name {name!r}: use 1-128 letters, digits, '.', '_' or '-'"
+            )
+        return name
+
+
+class LoadWeightsRequest(_RunRequest):
+    path: str
+    with_optimizer: bool = False
+
+
+class GetInfoRequest(_Model):
+    model_id: str
+
+
+class CreateSamplerRequest(_Model):
+    base_model: str | None = None
+    model_path: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> CreateSamplerRequest:
+        if (self.base_model is None) == (self.model_path is None):
+            raise ValueError("give exactly one of base_model and model_path")
+        return self
+
+
+class SampleRequest(_Model):
+    sampler_id: str
+    prompt: ModelInput
+    num_samples: int = 1
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    include_prompt_logprobs: bool = False
+
+
+class ComputeLogprobsRequest(_Model):
+    sampler_id: str
+    prompt: ModelInput
+
+
+class RetrieveFutureRequest(_Model):
+    request_id: str
+    timeout: float = Field(default=30.0, ge=0, le=30.0)
+
+
+class ErrorInfo(_Model):
+    category: str  # validation | not_found | capacity | server | ...
+    message: str
+
+
+class FutureResponse(_Model):
+    request_id: str
+    status: Literal["done", "failed", "pending"]
+    result: dict[str, Any] | None = None
+    error: ErrorInfo | None = None
+    queue_state: str | None = None
+
+
+class SubmitResponse(_Model):
+    request_id: str
+
+
+# op name -> (request model, result model); the one table both sides dispatch on.
+OPERATIONS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
+    "create_model": (CreateModelRequest, CreateModelResponse),
+    "create_model_from_state": (CreateModelFromStateRequest, CreateModelResponse),
+    "forward": (ForwardRequest, ForwardBackwardOutput),
+    "forward_backward": (ForwardRequest, ForwardBackwardOutput),
+    "optim_step": (OptimStepRequest, OptimStepResponse),
+    "save_weights": (SaveWeightsRequest, SaveWeightsResponse),
+    "load_weights": (LoadWeightsRequest, LoadWeightsResponse),
+    "get_info": (GetInfoRequest, GetInfoResponse),
+    "create_sampler": (CreateSamplerRequest, CreateSamplerResponse),
+    "sample": (SampleRequest, SampleResponse),
+    "compute_logprobs": (ComputeLogprobsRequest, ComputeLogprobsResponse),
+}

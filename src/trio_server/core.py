@@ -1,0 +1,433 @@
+"""The service core: sessions of work for many users over shared model hosts. No HTTP.
+
+``submit`` validates a request and queues it, answering a request id at once;
+``retrieve`` waits (up to a timeout) for its result. One ``HostWorker`` thread per base
+model runs the loop  schedule -> execute -> resolve  (scheduler.next_batch decides).
+Results are serialized once, stored, and returned as stored. Waiters are woken through
+in-process futures, never by polling the database.
+
+Both transports use this same object: the SDK's local transport in-process (the
+embedded default) and the FastAPI app behind ``trio serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import secrets
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pydantic
+
+from pytrio import types as t
+from pytrio.errors import describe_validation_error
+
+from . import checkpoints as ckpt
+from .scheduler import WorkItem, next_batch
+from .store import Store, dumps, now
+from .store import checkpoints as checkpoints_table
+from .store import requests as requests_table
+from .store import runs as runs_table
+from .store import samplers as samplers_table
+
+log = logging.getLogger("trio.server")
+
+RESTART_MESSAGE = "the server restarted while this request was in flight; submit it again"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits, reported by get_server_capabilities."""
+
+    max_tokens_per_request: int = 131_072
+    max_seq_len: int = 8192
+    max_batch_size: int = 1024
+    max_lora_rank: int = 256
+    max_samples_per_request: int = 256
+    max_sampler_adapters: int = 16  # LRU of loaded sampler weights per host
+
+
+class ServiceError(Exception):
+    """An error for the client: a category (see pytrio.errors) and an HTTP status."""
+
+    def __init__(self, category: str, message: str, status: int = 400):
+        super().__init__(message)
+        self.category, self.message, self.status = category, message, status
+
+
+def not_found(what: str) -> ServiceError:
+    return ServiceError("not_found", f"{what} not found", 404)
+
+
+@dataclass
+class Outcome:
+    """A finished request as stored: status, serialized result or error."""
+
+    status: str
+    result_json: str | None = None
+    error: t.ErrorInfo | None = None
+
+    def response(self, request_id: str) -> t.FutureResponse:
+        import json
+
+        result = json.loads(self.result_json) if self.result_json else None
+        return t.FutureResponse(request_id=request_id, status=self.status, result=result, error=self.error)  # type: ignore[arg-type]
+
+
+class ServiceCore:
+    def __init__(
+        self,
+        data_dir: str | Path,
+        db_url: str | None = None,
+        catalog: Any = None,
+        dtype: str | None = None,
+        limits: Limits = Limits(),
+    ):
+        from trio_engine import Catalog
+
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(db_url or f"sqlite:///{self.data_dir / 'trio.db'}")
+        self.catalog = catalog or Catalog()
+        self.dtype = dtype
+        self.limits = limits
+        self.lock = threading.RLock()
+        self.workers: dict[str, HostWorker] = {}
+        self.futures: dict[str, concurrent.futures.Future[Outcome]] = {}
+        self.owners: dict[str, str] = {}  # request_id -> user_id, for in-memory futures
+        self.idempotency: dict[tuple[str, str], str] = {}
+        self.next_seq: dict[str, int] = {}
+        self.arrivals = itertools.count()
+        self._recover()
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """After a crash: in-flight requests fail clearly; runs resume at their next seq."""
+        failed = self.store.fail_pending(RESTART_MESSAGE)
+        if failed:
+            log.warning("marked %d in-flight requests failed after restart", len(failed))
+        for run in self.store.select(runs_table):
+            seqs = [r["seq"] for r in self.store.select(requests_table, run_id=run["run_id"]) if r["seq"] is not None]
+            self.next_seq[run["run_id"]] = max([run["next_seq"], *(s + 1 for s in seqs)])
+
+    # -- submit / retrieve ------------------------------------------------------------
+
+    def submit(self, user_id: str, op: str, body: Any, idempotency_key: str | None = None) -> str:
+        """Validate and queue one operation; returns its request id at once."""
+        if op not in t.OPERATIONS:
+            raise ServiceError("not_found", f"unknown operation {op!r}", 404)
+        if idempotency_key:
+            existing = self._idempotent(user_id, idempotency_key)
+            if existing:
+                return existing
+        request = self._parse(op, body)
+        item = WorkItem(request_id="req-" + secrets.token_hex(8), op=op, request=request, user_id=user_id)
+        base_model = self._route(item)
+        rejection = None
+        with self.lock:
+            if item.run_id is not None and item.seq is not None:
+                self._check_seq(item)
+            try:
+                self._check_limits(item)
+            except ServiceError as exc:
+                if item.seq is None:
+                    raise
+                # It still holds its place in the run's order, or later calls would wait forever.
+                item.op, item.context["error"], rejection = "rejected", exc, exc
+            item.arrival = next(self.arrivals)
+            self.futures[item.request_id] = concurrent.futures.Future()
+            self.owners[item.request_id] = user_id
+            if idempotency_key:
+                self.idempotency[(user_id, idempotency_key)] = item.request_id
+        self.store.insert(
+            requests_table, request_id=item.request_id, user_id=user_id, op=op, run_id=item.run_id,
+            seq=item.seq, status="pending", idempotency_key=idempotency_key, created_at=now(),
+        )
+        self._worker(base_model).enqueue(item)
+        if rejection:
+            raise rejection
+        return item.request_id
+
+    async def retrieve(self, user_id: str, request_id: str, timeout: float = 30.0) -> t.FutureResponse:
+        """The outcome of a request, waiting up to ``timeout`` s (long poll)."""
+        future = self.futures.get(request_id)
+        if future is None or self.owners.get(request_id) != user_id:
+            return self._stored_outcome(user_id, request_id)
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+        except asyncio.TimeoutError:
+            return t.FutureResponse(request_id=request_id, status="pending", queue_state=self._queue_state(request_id))
+        return outcome.response(request_id)
+
+    def _stored_outcome(self, user_id: str, request_id: str) -> t.FutureResponse:
+        row = self.store.get(requests_table, request_id=request_id)
+        if row is None or row["user_id"] != user_id:
+            raise not_found(f"request {request_id!r}")
+        error = t.ErrorInfo(category=row["error_category"], message=row["error_message"]) if row["error_category"] else None
+        return Outcome(row["status"], row["result"], error).response(request_id)
+
+    def _queue_state(self, request_id: str) -> str:
+        for worker in self.workers.values():
+            position = worker.position(request_id)
+            if position is not None:
+                return f"queued (position {position})" if position else "running"
+        return "running"
+
+    def _idempotent(self, user_id: str, key: str) -> str | None:
+        with self.lock:
+            if (user_id, key) in self.idempotency:
+                return self.idempotency[(user_id, key)]
+        row = self.store.get(requests_table, user_id=user_id, idempotency_key=key)
+        return row["request_id"] if row else None
+
+    @staticmethod
+    def _parse(op: str, body: Any) -> pydantic.BaseModel:
+        model = t.OPERATIONS[op][0]
+        try:
+            return body if isinstance(body, model) else model.model_validate(body)
+        except pydantic.ValidationError as exc:
+            raise ServiceError("validation", f"{op}: {describe_validation_error(exc)}", 422) from None
+
+    # -- routing: which run, sampler and model host a request belongs to ------------
+
+    def _route(self, item: WorkItem) -> str:
+        req = item.request
+        if isinstance(req, t.CreateModelRequest):
+            self._check_model(req.base_model)
+            if req.lora_config.rank > self.limits.max_lora_rank or req.lora_config.rank < 1:
+                raise ServiceError("validation", f"lora_config.rank: must be in [1, {self.limits.max_lora_rank}], got {req.lora_config.rank}")
+            item.context["run_id"] = "run-" + secrets.token_hex(6)
+            return req.base_model
+        if isinstance(req, t.CreateModelFromStateRequest):
+            row = self._checkpoint(item.user_id, req.path, kind="weights")
+            item.context.update(run_id="run-" + secrets.token_hex(6), checkpoint=row)
+            return self._run(item.user_id, row["run_id"])["base_model"]
+        if isinstance(req, t.CreateSamplerRequest):
+            if req.base_model is not None:
+                self._check_model(req.base_model)
+                return req.base_model
+            row = self._checkpoint(item.user_id, req.model_path or "")
+            item.context["checkpoint"] = row
+            return self._run(item.user_id, row["run_id"])["base_model"]
+        if isinstance(req, t.SampleRequest | t.ComputeLogprobsRequest):
+            sampler = self.store.get(samplers_table, sampler_id=req.sampler_id)
+            if sampler is None or sampler["user_id"] != item.user_id:
+                raise not_found(f"sampler {req.sampler_id!r}")
+            item.context["sampler"] = sampler
+            return sampler["base_model"]
+        run = self._run(item.user_id, req.model_id)
+        item.run_id, item.seq = run["run_id"], getattr(req, "seq", None)
+        if isinstance(req, t.LoadWeightsRequest):
+            item.context["checkpoint"] = self._checkpoint(item.user_id, req.path, kind="weights")
+        return run["base_model"]
+
+    def _check_model(self, name: str) -> None:
+        from trio_engine import ModelNotAvailableError
+
+        try:
+            self.catalog.resolve(name)
+        except ModelNotAvailableError as exc:
+            raise ServiceError("validation", f"base_model: {exc}", 400) from None
+
+    def _run(self, user_id: str, run_id: str) -> dict:
+        run = self.store.get(runs_table, run_id=run_id)
+        if run is None or run["user_id"] != user_id:
+            raise not_found(f"training run {run_id!r}")
+        return run
+
+    def _checkpoint(self, user_id: str, path: str, kind: str | None = None) -> dict:
+        ckpt.parse_path(path)  # a clear validation error for a malformed path
+        row = self.store.get(checkpoints_table, path=path)
+        if row is None or row["user_id"] != user_id:
+            raise not_found(f"checkpoint {path!r}")
+        if kind and row["kind"] != kind:
+            raise ServiceError("validation", f"path: {path!r} is a {row['kind']} checkpoint, need {kind}")
+        return row
+
+    def _check_seq(self, item: WorkItem) -> None:
+        assert item.run_id is not None and item.seq is not None
+        expected = self.next_seq.get(item.run_id, 0)
+        queued = any(i.run_id == item.run_id and i.seq == item.seq for w in self.workers.values() for i in w.snapshot())
+        if item.seq < expected or queued:
+            raise ServiceError("validation", f"seq: {item.seq} was already used for run {item.run_id} (next is {expected})", 409)
+
+    def _check_limits(self, item: WorkItem) -> None:
+        req, lim = item.request, self.limits
+        if isinstance(req, t.ForwardRequest):
+            if len(req.data) > lim.max_batch_size:
+                raise ServiceError("validation", f"data: {len(req.data)} datums exceed max_batch_size={lim.max_batch_size}", 413)
+            total = 0
+            for i, datum in enumerate(req.data):
+                n = datum.model_input.length
+                if n > lim.max_seq_len:
+                    raise ServiceError("validation", f"data[{i}].model_input: length {n} exceeds max_seq_len={lim.max_seq_len}", 413)
+                total += n
+            if total > lim.max_tokens_per_request:
+                raise ServiceError("validation", f"data: {total} tokens exceed max_tokens_per_request={lim.max_tokens_per_request}", 413)
+        if isinstance(req, t.SampleRequest):
+            if req.num_samples > lim.max_samples_per_request:
+                raise ServiceError("validation", f"num_samples: {req.num_samples} exceeds the limit of {lim.max_samples_per_request}", 413)
+            if req.prompt.length + req.sampling_params.max_tokens > lim.max_seq_len:
+                raise ServiceError("validation", f"prompt length + max_tokens = {req.prompt.length + req.sampling_params.max_tokens} exceeds max_seq_len={lim.max_seq_len}", 413)
+
+    # -- execution (worker thread) ----------------------------------------------------
+
+    def _worker(self, base_model: str) -> HostWorker:
+        with self.lock:
+            if base_model not in self.workers:
+                self.workers[base_model] = HostWorker(self, base_model)
+            return self.workers[base_model]
+
+    def resolve(self, item: WorkItem, result: pydantic.BaseModel | None, error: ServiceError | None) -> None:
+        """Store the outcome, advance the run's sequence, wake the waiters."""
+        if error is None:
+            assert result is not None
+            outcome = Outcome("done", result.model_dump_json())
+            self.store.update(requests_table, "request_id", item.request_id, status="done", result=outcome.result_json)
+        else:
+            outcome = Outcome("failed", error=t.ErrorInfo(category=error.category, message=error.message))
+            self.store.update(requests_table, "request_id", item.request_id, status="failed",
+                              error_category=error.category, error_message=error.message)
+        if item.run_id is not None and item.seq is not None:
+            with self.lock:
+                self.next_seq[item.run_id] = item.seq + 1
+            self.store.update(runs_table, "run_id", item.run_id, next_seq=item.seq + 1, last_request_at=now())
+        future = self.futures.get(item.request_id)
+        if future is not None and not future.done():
+            future.set_result(outcome)
+
+    def checkpoint_dir(self, run_id: str, kind: str, name: str) -> Path:
+        return self.data_dir / "checkpoints" / run_id / kind / name
+
+    # -- REST (synchronous reads) ------------------------------------------------------
+
+    def capabilities(self) -> t.ServerCapabilities:
+        lim = self.limits
+        return t.ServerCapabilities(
+            supported_models=self.catalog.available(), max_tokens_per_request=lim.max_tokens_per_request,
+            max_seq_len=lim.max_seq_len, max_batch_size=lim.max_batch_size, max_lora_rank=lim.max_lora_rank,
+        )
+
+    def tokenizer_files(self, base_model: str) -> t.TokenizerFiles:
+        self._check_model(base_model)
+        folder = self.data_dir / "tokenizers" / base_model.replace("/", "--")
+        if not (folder / "tokenizer_config.json").exists():
+            self._worker(base_model).host().tokenizer.save_pretrained(folder)
+        files = {p.name: p.read_text() for p in folder.iterdir() if p.is_file()}
+        return t.TokenizerFiles(base_model=base_model, files=files)
+
+    def list_runs(self, user_id: str) -> list[t.TrainingRun]:
+        return [self._training_run(r) for r in self.store.select(runs_table, user_id=user_id, order_by="created_at")]
+
+    def get_run(self, user_id: str, run_id: str) -> t.TrainingRun:
+        return self._training_run(self._run(user_id, run_id))
+
+    def _training_run(self, row: dict) -> t.TrainingRun:
+        import json
+
+        return t.TrainingRun(
+            run_id=row["run_id"], base_model=row["base_model"], lora_rank=json.loads(row["lora_config"])["rank"],
+            created_at=row["created_at"], last_request_at=row["last_request_at"], step=row["step"],
+            checkpoints=self.list_checkpoints(row["user_id"], row["run_id"]),
+        )
+
+    def list_checkpoints(self, user_id: str, run_id: str | None = None) -> list[t.Checkpoint]:
+        where = {"user_id": user_id} | ({"run_id": run_id} if run_id else {})
+        if run_id:
+            self._run(user_id, run_id)
+        rows = self.store.select(checkpoints_table, order_by="created_at", **where)
+        return [t.Checkpoint(**{k: v for k, v in r.items() if k != "user_id"}) for r in rows]
+
+    def delete_checkpoint(self, user_id: str, path: str) -> None:
+        row = self._checkpoint(user_id, path)
+        shutil.rmtree(self.checkpoint_dir(row["run_id"], row["kind"], row["name"]), ignore_errors=True)
+        self.store.delete(checkpoints_table, path=path)
+
+    def checkpoint_archive(self, user_id: str, path: str) -> Path:
+        """A tar archive of the checkpoint folder (built once, then served with ranges)."""
+        row = self._checkpoint(user_id, path)
+        folder = self.checkpoint_dir(row["run_id"], row["kind"], row["name"])
+        return ckpt.archive(folder, self.data_dir / "archives")
+
+    def close(self) -> None:
+        for worker in list(self.workers.values()):
+            worker.stop()
+
+
+class HostWorker:
+    """One thread per base model: owns the ModelHost, runs what the scheduler picks."""
+
+    def __init__(self, core: ServiceCore, base_model: str):
+        self.core = core
+        self.base_model = base_model
+        self.pending: list[WorkItem] = []
+        self.running: set[str] = set()
+        self.cond = threading.Condition()
+        self._host: Any = None
+        self._host_lock = threading.Lock()
+        self._stopped = False
+        self.sampler_adapters: OrderedDict[str, str] = OrderedDict()  # checkpoint path -> adapter id
+        self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{base_model}", daemon=True)
+        self.thread.start()
+
+    def host(self) -> Any:
+        """The ModelHost, loaded on first use (model loading can take seconds)."""
+        with self._host_lock:
+            if self._host is None:
+                from trio_engine import ModelHost
+
+                started = time.monotonic()
+                self._host = ModelHost(self.base_model, dtype=self.core.dtype, catalog=self.core.catalog)
+                log.info("loaded %s in %.1f s", self.base_model, time.monotonic() - started)
+            return self._host
+
+    def enqueue(self, item: WorkItem) -> None:
+        with self.cond:
+            self.pending.append(item)
+            self.cond.notify()
+
+    def snapshot(self) -> list[WorkItem]:
+        with self.cond:
+            return list(self.pending)
+
+    def position(self, request_id: str) -> int | None:
+        with self.cond:
+            if request_id in self.running:
+                return 0
+            ids = [i.request_id for i in sorted(self.pending, key=lambda i: i.arrival)]
+            return ids.index(request_id) + 1 if request_id in ids else None
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stopped = True
+            self.cond.notify()
+
+    def _loop(self) -> None:
+        from .handlers import execute
+
+        while True:
+            with self.cond:
+                batch = next_batch(self.pending, self.core.next_seq)
+                while not batch and not self._stopped:
+                    self.cond.wait(timeout=1.0)
+                    batch = next_batch(self.pending, self.core.next_seq)
+                if self._stopped:
+                    return
+                for item in batch:
+                    self.pending.remove(item)
+                    self.running.add(item.request_id)
+            try:
+                execute(self, batch)
+            finally:
+                with self.cond:
+                    self.running.difference_update(i.request_id for i in batch)
+

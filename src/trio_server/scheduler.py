@@ -1,0 +1,43 @@
+"""What the engine worker runs next: a pure function over the pending work, no I/O.
+
+A run's requests execute strictly in sequence order, so only the request whose ``seq``
+equals its run's ``next_seq`` is ready. Requests without a run (sampling, creating
+models) are always ready. The oldest ready request picks the operation; every other
+ready request of a batchable operation joins it, so ``forward_backward`` calls of
+different runs share one pass (each run contributes at most its head, which is before
+its next ``optim_step``) and sampling requests share decode batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+BATCHABLE = {"forward", "forward_backward", "sample"}
+
+
+@dataclass
+class WorkItem:
+    request_id: str
+    op: str
+    request: Any  # the validated pydantic request
+    user_id: str
+    run_id: str | None = None
+    seq: int | None = None
+    arrival: int = 0
+    context: dict[str, Any] = field(default_factory=dict)
+
+
+def is_ready(item: WorkItem, next_seq: dict[str, int]) -> bool:
+    return item.run_id is None or item.seq is None or next_seq.get(item.run_id, 0) == item.seq
+
+
+def next_batch(pending: list[WorkItem], next_seq: dict[str, int], max_batch: int = 64) -> list[WorkItem]:
+    """The items to execute together next; empty when nothing is ready."""
+    ready = sorted((i for i in pending if is_ready(i, next_seq)), key=lambda i: i.arrival)
+    if not ready:
+        return []
+    head = ready[0]
+    if head.op not in BATCHABLE:
+        return [head]
+    return [i for i in ready if i.op == head.op][:max_batch]

@@ -1,0 +1,151 @@
+"""Persistence through SQLAlchemy Core: SQLite in the data dir by default, or PostgreSQL.
+
+Tables: api_keys (hashed), runs, requests (futures with their serialized results),
+checkpoints, samplers. Results are stored as the JSON text that is sent to clients.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import secrets
+from typing import Any
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData()
+
+api_keys = sa.Table(
+    "api_keys", metadata,
+    sa.Column("key_hash", sa.String(64), primary_key=True),
+    sa.Column("user_id", sa.String(64), nullable=False),
+    sa.Column("name", sa.String(128), nullable=False),
+    sa.Column("created_at", sa.String(32), nullable=False),
+)
+runs = sa.Table(
+    "runs", metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("user_id", sa.String(64), nullable=False, index=True),
+    sa.Column("base_model", sa.String(256), nullable=False),
+    sa.Column("lora_config", sa.Text, nullable=False),
+    sa.Column("created_at", sa.String(32), nullable=False),
+    sa.Column("last_request_at", sa.String(32)),
+    sa.Column("next_seq", sa.Integer, nullable=False, default=0),
+    sa.Column("step", sa.Integer, nullable=False, default=0),
+)
+requests = sa.Table(
+    "requests", metadata,
+    sa.Column("request_id", sa.String(64), primary_key=True),
+    sa.Column("user_id", sa.String(64), nullable=False),
+    sa.Column("op", sa.String(64), nullable=False),
+    sa.Column("run_id", sa.String(64)),
+    sa.Column("seq", sa.Integer),
+    sa.Column("status", sa.String(16), nullable=False),  # pending | done | failed
+    sa.Column("result", sa.Text),
+    sa.Column("error_category", sa.String(32)),
+    sa.Column("error_message", sa.Text),
+    sa.Column("idempotency_key", sa.String(128)),
+    sa.Column("created_at", sa.String(32), nullable=False),
+    sa.UniqueConstraint("user_id", "idempotency_key", name="uq_idempotency"),
+)
+checkpoints = sa.Table(
+    "checkpoints", metadata,
+    sa.Column("path", sa.String(512), primary_key=True),
+    sa.Column("user_id", sa.String(64), nullable=False, index=True),
+    sa.Column("run_id", sa.String(64), nullable=False),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("name", sa.String(128), nullable=False),
+    sa.Column("created_at", sa.String(32), nullable=False),
+    sa.Column("size_bytes", sa.BigInteger, nullable=False, default=0),
+)
+samplers = sa.Table(
+    "samplers", metadata,
+    sa.Column("sampler_id", sa.String(64), primary_key=True),
+    sa.Column("user_id", sa.String(64), nullable=False),
+    sa.Column("base_model", sa.String(256), nullable=False),
+    sa.Column("model_path", sa.String(512)),
+    sa.Column("created_at", sa.String(32), nullable=False),
+)
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Store:
+    def __init__(self, url: str):
+        kwargs: dict[str, Any] = {}
+        if url.startswith("sqlite"):
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        self.engine = sa.create_engine(url, **kwargs)
+        if url.startswith("sqlite"):
+            sa.event.listen(self.engine, "connect", _sqlite_pragmas)
+        metadata.create_all(self.engine)
+
+    # -- api keys -------------------------------------------------------------------
+    def create_api_key(self, name: str) -> str:
+        key = "trio-" + secrets.token_urlsafe(32)
+        user_id = "user-" + secrets.token_hex(6)
+        with self.engine.begin() as c:
+            c.execute(api_keys.insert().values(key_hash=hash_key(key), user_id=user_id, name=name, created_at=now()))
+        return key
+
+    def user_for_key(self, key: str) -> str | None:
+        with self.engine.connect() as c:
+            row = c.execute(sa.select(api_keys.c.user_id).where(api_keys.c.key_hash == hash_key(key))).first()
+        return row[0] if row else None
+
+    # -- generic helpers --------------------------------------------------------------
+    def insert(self, table: sa.Table, **values: Any) -> None:
+        with self.engine.begin() as c:
+            c.execute(table.insert().values(**values))
+
+    def update(self, table: sa.Table, key: str, key_value: str, **values: Any) -> None:
+        with self.engine.begin() as c:
+            c.execute(table.update().where(table.c[key] == key_value).values(**values))
+
+    def get(self, table: sa.Table, **where: Any) -> dict | None:
+        rows = self.select(table, **where)
+        return rows[0] if rows else None
+
+    def select(self, table: sa.Table, order_by: str | None = None, **where: Any) -> list[dict]:
+        query = sa.select(table)
+        for k, v in where.items():
+            query = query.where(table.c[k] == v)
+        if order_by:
+            query = query.order_by(table.c[order_by])
+        with self.engine.connect() as c:
+            return [dict(r._mapping) for r in c.execute(query)]
+
+    def delete(self, table: sa.Table, **where: Any) -> None:
+        query = table.delete()
+        for k, v in where.items():
+            query = query.where(table.c[k] == v)
+        with self.engine.begin() as c:
+            c.execute(query)
+
+    def fail_pending(self, message: str) -> list[dict]:
+        """At start-up: requests left pending by a crash become failed."""
+        pending = self.select(requests, status="pending")
+        with self.engine.begin() as c:
+            c.execute(
+                requests.update().where(requests.c.status == "pending")
+                .values(status="failed", error_category="server", error_message=message)
+            )
+        return pending
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
