@@ -14,6 +14,7 @@ from .rest import RestClient
 from .sampling import SamplingClient
 from .session import Session
 from .training import TrainingClient, _validated
+from .transport import Transport
 
 
 class ServiceClient:
@@ -23,23 +24,22 @@ class ServiceClient:
         base_url: a ``trio serve`` address; default ``$PYTRIO_BASE_URL``, else in-process.
         api_key: the key from ``trio keys create``; default ``$PYTRIO_API_KEY``.
         timeout: seconds for one HTTP exchange (long polls wait at most 30 s each).
+        transport: an explicit transport (e.g. ``LocalTransport(core)``), overriding the above.
 
     Example:
         >>> service = trio.ServiceClient()
         >>> trainer = service.create_lora_training_client(base_model=..., rank=32)
     """
 
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, timeout: float = 60.0):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        transport: Transport | None = None,
+    ):
         base_url = base_url or os.environ.get("PYTRIO_BASE_URL")
-        if base_url:
-            from .transport.http import HttpTransport
-
-            transport = HttpTransport(base_url, api_key or os.environ.get("PYTRIO_API_KEY"), timeout)
-        else:
-            from .transport.local import LocalTransport
-
-            transport = LocalTransport()
-        self._session = Session(transport)
+        self._session = Session(transport or _default_transport(base_url, api_key, timeout))
         self.base_url = base_url
 
     async def create_lora_training_client_async(
@@ -96,6 +96,16 @@ class ServiceClient:
     def create_rest_client(self) -> RestClient:
         """Runs and checkpoints: list, inspect, delete, download."""
         return RestClient(self._session)
+
+
+def _default_transport(base_url: str | None, api_key: str | None, timeout: float) -> Transport:
+    if base_url:
+        from .transport.http import HttpTransport
+
+        return HttpTransport(base_url, api_key or os.environ.get("PYTRIO_API_KEY"), timeout)
+    from .transport.local import LocalTransport
+
+    return LocalTransport()
 
 
 async def new_sampling_client(session: Session, base_model: str | None = None, model_path: str | None = None) -> SamplingClient:

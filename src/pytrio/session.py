@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,14 +16,17 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from .errors import ConnectionError as TrioConnectionError
+from .errors import TimeoutError as TrioTimeoutError
 from .errors import error_from_category
 from .futures import on_background
 from .transport import Transport
+from .types import FutureResponse
 
 R = TypeVar("R", bound=BaseModel)
 
 SUBMIT_RETRIES = 5
 POLL_SECONDS = 30.0
+RECONNECT_SECONDS = 60.0
 
 
 class Session:
@@ -39,12 +43,26 @@ class Session:
     async def _call(self, op: str, request: BaseModel, result_type: type[R]) -> R:
         request_id = await self._submit(op, request.model_dump(mode="json"))
         while True:
-            state = await self.transport.retrieve(request_id, POLL_SECONDS)
+            state = await self._retrieve(request_id)
             if state.status == "done":
                 return result_type.model_validate(state.result)
             if state.status == "failed":
                 assert state.error is not None
                 raise error_from_category(state.error.category, state.error.message, request_id)
+
+    async def _retrieve(self, request_id: str) -> FutureResponse:
+        """One long poll; rides out a service restart for up to RECONNECT_SECONDS."""
+        deadline = time.monotonic() + RECONNECT_SECONDS
+        delay = 0.1
+        while True:
+            try:
+                return await self.transport.retrieve(request_id, POLL_SECONDS)
+            except (TrioConnectionError, TrioTimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    exc.request_id = request_id
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     async def _submit(self, op: str, body: dict[str, Any]) -> str:
         """Retries reuse one idempotency key, so a retried submit never runs twice."""

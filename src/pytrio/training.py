@@ -113,7 +113,7 @@ class TrainingClient:
         ]
         request = t.ForwardRequest(model_id=self.model_id, seq=seq, data=weighted, loss_fn="cross_entropy")
         result = await self._session.call("forward_backward", request, t.ForwardBackwardOutput)
-        result.metrics = {**result.metrics, **{k: float(v) for k, v in metrics.items()}, "loss:sum": float(loss)}
+        result.metrics = {**result.metrics, **{k: float(v) for k, v in metrics.items()}, "loss:sum": float(loss.detach())}
         return result
 
     def optim_step(self, adam_params: t.AdamParams | None = None) -> APIFuture[t.OptimStepResponse]:

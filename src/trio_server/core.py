@@ -69,17 +69,22 @@ def not_found(what: str) -> ServiceError:
 
 @dataclass
 class Outcome:
-    """A finished request as stored: status, serialized result or error."""
+    """A request's state as stored: status, serialized result or error."""
 
-    status: str
+    status: str  # done | failed | pending
     result_json: str | None = None
     error: t.ErrorInfo | None = None
+    queue_state: str | None = None
+
+    def to_json(self, request_id: str) -> str:
+        """The FutureResponse body, splicing in the result exactly as it was stored."""
+        head = {"request_id": request_id, "status": self.status, "queue_state": self.queue_state,
+                "error": self.error.model_dump() if self.error else None}
+        body = dumps(head)
+        return body[:-1] + ',"result":' + (self.result_json or "null") + "}"
 
     def response(self, request_id: str) -> t.FutureResponse:
-        import json
-
-        result = json.loads(self.result_json) if self.result_json else None
-        return t.FutureResponse(request_id=request_id, status=self.status, result=result, error=self.error)  # type: ignore[arg-type]
+        return t.FutureResponse.model_validate_json(self.to_json(request_id))
 
 
 class ServiceCore:
@@ -157,23 +162,24 @@ class ServiceCore:
             raise rejection
         return item.request_id
 
-    async def retrieve(self, user_id: str, request_id: str, timeout: float = 30.0) -> t.FutureResponse:
+    async def retrieve(self, user_id: str, request_id: str, timeout: float = 30.0) -> Outcome:
         """The outcome of a request, waiting up to ``timeout`` s (long poll)."""
         future = self.futures.get(request_id)
         if future is None or self.owners.get(request_id) != user_id:
             return self._stored_outcome(user_id, request_id)
         try:
-            outcome = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
         except asyncio.TimeoutError:
-            return t.FutureResponse(request_id=request_id, status="pending", queue_state=self._queue_state(request_id))
-        return outcome.response(request_id)
+            return Outcome("pending", queue_state=self._queue_state(request_id))
 
-    def _stored_outcome(self, user_id: str, request_id: str) -> t.FutureResponse:
+    def _stored_outcome(self, user_id: str, request_id: str) -> Outcome:
         row = self.store.get(requests_table, request_id=request_id)
         if row is None or row["user_id"] != user_id:
             raise not_found(f"request {request_id!r}")
         error = t.ErrorInfo(category=row["error_category"], message=row["error_message"]) if row["error_category"] else None
-        return Outcome(row["status"], row["result"], error).response(request_id)
+        if row["status"] == "pending":  # queued in another process's lifetime: cannot finish
+            return Outcome("failed", error=t.ErrorInfo(category="server", message=RESTART_MESSAGE))
+        return Outcome(row["status"], row["result"], error)
 
     def _queue_state(self, request_id: str) -> str:
         for worker in self.workers.values():

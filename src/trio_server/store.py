@@ -86,6 +86,7 @@ class Store:
         if url.startswith("sqlite"):
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         metadata.create_all(self.engine)
+        self._users: dict[str, str] = {}
 
     # -- api keys -------------------------------------------------------------------
     def create_api_key(self, name: str) -> str:
@@ -96,8 +97,13 @@ class Store:
         return key
 
     def user_for_key(self, key: str) -> str | None:
+        digest = hash_key(key)
+        if digest in self._users:  # keys are never revoked in place, so a hit stays valid
+            return self._users[digest]
         with self.engine.connect() as c:
-            row = c.execute(sa.select(api_keys.c.user_id).where(api_keys.c.key_hash == hash_key(key))).first()
+            row = c.execute(sa.select(api_keys.c.user_id).where(api_keys.c.key_hash == digest)).first()
+        if row:
+            self._users[digest] = row[0]
         return row[0] if row else None
 
     # -- generic helpers --------------------------------------------------------------

@@ -8,13 +8,15 @@ first use (this is where torch and the engine get imported).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import threading
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
-from ..errors import TrioError, error_from_category
+from ..errors import error_from_category
 from ..types import Checkpoint, FutureResponse, ServerCapabilities, TokenizerFiles, TrainingRun
 
 LOCAL_USER = "local"
@@ -46,7 +48,9 @@ class LocalTransport:
         return self._call(self.core.submit, self.user_id, op, body, idempotency_key)
 
     async def retrieve(self, request_id: str, timeout: float) -> FutureResponse:
-        return await self.core.retrieve(self.user_id, request_id, timeout)
+        with _mapped_errors():
+            outcome = await self.core.retrieve(self.user_id, request_id, timeout)
+        return outcome.response(request_id)
 
     async def capabilities(self) -> ServerCapabilities:
         return self.core.capabilities()
@@ -77,11 +81,16 @@ class LocalTransport:
 
     @staticmethod
     def _call(fn: Any, *args: Any) -> Any:
-        from trio_server.core import ServiceError
-
-        try:
+        with _mapped_errors():
             return fn(*args)
-        except ServiceError as exc:
-            raise error_from_category(exc.category, exc.message) from None
-        except TrioError:
-            raise
+
+
+@contextlib.contextmanager
+def _mapped_errors() -> Iterator[None]:
+    """The core's ServiceError -> the SDK's exception tree, as the HTTP transport maps it."""
+    from trio_server.core import ServiceError
+
+    try:
+        yield
+    except ServiceError as exc:
+        raise error_from_category(exc.category, exc.message) from None

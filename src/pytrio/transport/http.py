@@ -1,0 +1,125 @@
+"""HTTP transport to ``trio serve``: httpx on the SDK's background loop.
+
+All the protocol's decisions (what to retry, how errors map) live in ``Session`` and
+``errors``; this class only moves bytes and turns HTTP failures into SDK errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import TypeAdapter
+
+from ..errors import ConnectionError as TrioConnectionError
+from ..errors import TimeoutError as TrioTimeoutError
+from ..errors import error_from_category, error_from_status
+from ..types import Checkpoint, FutureResponse, ServerCapabilities, TokenizerFiles, TrainingRun
+
+API = "/api/v1"
+
+
+class HttpTransport:
+    def __init__(self, base_url: str, api_key: str | None, timeout: float = 60.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.headers = headers
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        # created lazily, on the background loop that will use it
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url, headers=self.headers, timeout=self.timeout,
+                limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+            )
+        return self._client
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self.client.request(method, API + path, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise TrioTimeoutError(f"{method} {path}: timed out ({exc})") from exc
+        except httpx.TransportError as exc:
+            raise TrioConnectionError(f"{method} {path}: cannot reach {self.base_url} ({exc})") from exc
+        if response.status_code >= 400:
+            raise _error(response)
+        return response
+
+    async def submit(self, op: str, body: dict[str, Any], idempotency_key: str) -> str:
+        response = await self._request("POST", f"/{op}", json=body, headers={"Idempotency-Key": idempotency_key})
+        return response.json()["request_id"]
+
+    async def retrieve(self, request_id: str, timeout: float) -> FutureResponse:
+        response = await self._request(
+            "POST", "/retrieve_future", json={"request_id": request_id, "timeout": timeout},
+            timeout=timeout + self.timeout,
+        )
+        return FutureResponse.model_validate_json(response.content)
+
+    async def capabilities(self) -> ServerCapabilities:
+        return ServerCapabilities.model_validate_json((await self._request("GET", "/capabilities")).content)
+
+    async def tokenizer_files(self, base_model: str) -> TokenizerFiles:
+        response = await self._request("GET", "/tokenizer", params={"base_model": base_model})
+        return TokenizerFiles.model_validate_json(response.content)
+
+    async def list_runs(self) -> list[TrainingRun]:
+        return _RUNS.validate_json((await self._request("GET", "/runs")).content)
+
+    async def get_run(self, run_id: str) -> TrainingRun:
+        return TrainingRun.model_validate_json((await self._request("GET", f"/runs/{run_id}")).content)
+
+    async def list_checkpoints(self, run_id: str | None) -> list[Checkpoint]:
+        params = {"run_id": run_id} if run_id else {}
+        return _CHECKPOINTS.validate_json((await self._request("GET", "/checkpoints", params=params)).content)
+
+    async def delete_checkpoint(self, path: str) -> None:
+        await self._request("DELETE", "/checkpoints", params={"path": path})
+
+    async def download_checkpoint(self, path: str, dest: Path, progress: bool) -> Path:
+        """Stream the archive to ``<dest>.part``, resuming from its size with a Range request."""
+        from tqdm import tqdm
+
+        name = path.removeprefix("trio://").replace("/", "-") + ".tar"
+        target = dest / name if dest.is_dir() else dest
+        partial = target.with_name(target.name + ".part")
+        start = partial.stat().st_size if partial.exists() else 0
+        headers = {"Range": f"bytes={start}-"} if start else {}
+        try:
+            async with self.client.stream("GET", API + "/checkpoints/archive", params={"path": path}, headers=headers) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    raise _error(r)
+                if r.status_code != 206:  # the server sent the whole file
+                    start = 0
+                total = start + int(r.headers.get("content-length", 0))
+                with open(partial, "ab" if start else "wb") as f, tqdm(
+                    total=total, initial=start, unit="B", unit_scale=True, desc=name, disable=not progress
+                ) as bar:
+                    async for chunk in r.aiter_bytes():
+                        f.write(chunk)
+                        bar.update(len(chunk))
+        except httpx.TransportError as exc:
+            raise TrioConnectionError(f"download of {path} interrupted; call again to resume ({exc})") from exc
+        partial.replace(target)
+        return target
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+_RUNS = TypeAdapter(list[TrainingRun])
+_CHECKPOINTS = TypeAdapter(list[Checkpoint])
+
+
+def _error(response: httpx.Response) -> Exception:
+    try:
+        info = response.json()["error"]
+        return error_from_category(info["category"], info["message"])
+    except Exception:
+        return error_from_status(response.status_code, response.text[:500] or response.reason_phrase)

@@ -1,0 +1,124 @@
+"""The HTTP shell over ServiceCore: routes move bytes, the core decides.
+
+    POST /api/v1/<op>                 submit; answers {"request_id"} at once
+    POST /api/v1/retrieve_future      long poll (<= 30 s): done | failed | pending
+    GET  /api/v1/healthz              no key needed
+    GET  /api/v1/capabilities, /tokenizer, /runs, /runs/{id}, /checkpoints
+    DELETE /api/v1/checkpoints?path=  GET /api/v1/checkpoints/archive?path= (ranges)
+
+Errors are ``{"error": {"category", "message"}}`` with a 4xx/5xx status; malformed
+JSON and wrong types get a 4xx naming the field, never a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel
+
+from pytrio import types as t
+from pytrio.errors import describe_validation_error
+
+from .auth import authenticate
+from .core import ServiceCore, ServiceError
+
+log = logging.getLogger("trio.server")
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="TRIO", version="0.1.0", description="Post-training service: LoRA training and sampling.")
+    app.state.core = core
+
+    def user(request: Request) -> str:
+        return authenticate(core.store, request, auth)
+
+    @app.exception_handler(ServiceError)
+    async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
+        return _error(exc.status, exc.category, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return _error(400, "validation", f"malformed JSON: {errors[0].get('ctx', {}).get('error', '')}")
+        return _error(422, "validation", describe_validation_error(exc))
+
+    @app.middleware("http")
+    async def limit_and_log(request: Request, call_next: Any) -> Response:
+        started = time.monotonic()
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > max_body_bytes:
+            # refused on the header, before the body is read
+            return _error(413, "validation", f"request body of {length} bytes exceeds the limit of {max_body_bytes}")
+        response = await call_next(request)
+        log.info("%s %s %d %.0fms", request.method, request.url.path, response.status_code,
+                 (time.monotonic() - started) * 1000)
+        return response
+
+    @app.get("/api/v1/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    for op, (request_model, _) in t.OPERATIONS.items():
+        _add_submit_route(app, core, op, request_model, user)
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(body: t.RetrieveFutureRequest, request: Request) -> Response:
+        outcome = await core.retrieve(user(request), body.request_id, body.timeout)
+        return Response(outcome.to_json(body.request_id), media_type="application/json")
+
+    @app.get("/api/v1/capabilities")
+    async def capabilities(request: Request) -> t.ServerCapabilities:
+        user(request)
+        return core.capabilities()
+
+    @app.get("/api/v1/tokenizer")
+    def tokenizer(base_model: str, request: Request) -> t.TokenizerFiles:
+        user(request)
+        return core.tokenizer_files(base_model)
+
+    @app.get("/api/v1/runs")
+    def list_runs(request: Request) -> list[t.TrainingRun]:
+        return core.list_runs(user(request))
+
+    @app.get("/api/v1/runs/{run_id}")
+    def get_run(run_id: str, request: Request) -> t.TrainingRun:
+        return core.get_run(user(request), run_id)
+
+    @app.get("/api/v1/checkpoints")
+    def list_checkpoints(request: Request, run_id: str | None = None) -> list[t.Checkpoint]:
+        return core.list_checkpoints(user(request), run_id)
+
+    @app.delete("/api/v1/checkpoints")
+    def delete_checkpoint(path: str, request: Request) -> dict[str, str]:
+        core.delete_checkpoint(user(request), path)
+        return {"deleted": path}
+
+    @app.get("/api/v1/checkpoints/archive")
+    def checkpoint_archive(path: str, request: Request) -> FileResponse:
+        archive = core.checkpoint_archive(user(request), path)
+        return FileResponse(archive, media_type="application/x-tar", filename=archive.name)
+
+    return app
+
+
+def _add_submit_route(app: FastAPI, core: ServiceCore, op: str, model: type[BaseModel], user: Any) -> None:
+    async def submit(body: model, request: Request) -> t.SubmitResponse:  # type: ignore[valid-type]
+        request_id = core.submit(user(request), op, body, request.headers.get("idempotency-key"))
+        return t.SubmitResponse(request_id=request_id)
+
+    submit.__name__ = f"submit_{op}"
+    submit.__annotations__["body"] = model  # a real class, not the postponed string
+    submit.__annotations__["request"] = Request
+    app.post(f"/api/v1/{op}", summary=f"Submit {op}", response_model=t.SubmitResponse)(submit)
+
+
+def _error(status: int, category: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"category": category, "message": message}}, status_code=status)

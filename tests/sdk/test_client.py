@@ -1,0 +1,187 @@
+"""The public SDK, end to end through each transport, on the tiny Llama."""
+
+from __future__ import annotations
+
+import asyncio
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+import pytrio as trio
+
+MODEL = "trio/tiny-llama"
+TOKENS = [1, 17, 300, 42, 9, 77, 5, 1024, 31, 8]
+
+
+def datum(tokens=TOKENS, **extra) -> trio.Datum:
+    inputs = {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1), **extra}
+    return trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+def trainer(service, seed=0, rank=4):
+    return service.create_lora_training_client(base_model=MODEL, rank=rank, seed=seed)
+
+
+def test_training_loop_lowers_loss(service):
+    tc = trainer(service)
+    losses = []
+    for _ in range(4):
+        fb = tc.forward_backward([datum()], "cross_entropy")
+        op = tc.optim_step(trio.AdamParams(learning_rate=1e-2))
+        out = fb.result()
+        assert op.result().metrics["grad_norm"] > 0
+        losses.append(out.metrics["loss:sum"])
+        per_token = out.loss_fn_outputs[0]
+        assert len(per_token["logprobs"].tolist()) == len(TOKENS) - 1
+        assert sum(per_token["elementwise_loss"].tolist()) == pytest.approx(out.metrics["loss:sum"], rel=1e-5)
+        assert out.elapsed_time > 0
+    assert losses[-1] < losses[0]
+
+
+def test_calls_run_in_submission_order(service):
+    """fb/optim submitted back to back without waiting equal the same calls with waits."""
+    eager, careful = trainer(service, seed=5), trainer(service, seed=5)
+    futures = []
+    for _ in range(3):
+        futures.append(eager.forward_backward([datum()]))
+        futures.append(eager.optim_step(trio.AdamParams(learning_rate=1e-2)))
+    waited = []
+    for _ in range(3):
+        waited.append(careful.forward_backward([datum()]).result())
+        waited.append(careful.optim_step(trio.AdamParams(learning_rate=1e-2)).result())
+    for got, want in zip([f.result() for f in futures], waited):
+        assert got.metrics == pytest.approx(want.metrics, rel=1e-5)
+    assert [f.result().metrics["step"] for f in futures[1::2]] == [1.0, 2.0, 3.0]
+
+
+def test_futures_and_async_twins(service):
+    tc = trainer(service)
+    fut = tc.forward([datum()])
+    assert isinstance(fut, trio.APIFuture)
+    assert fut.result(timeout=60).metrics["loss:sum"] > 0 and fut.done()
+
+    async def main():
+        tc2 = await service.create_lora_training_client_async(base_model=MODEL, rank=4, seed=0)
+        fb = await tc2.forward_backward_async([datum()], "cross_entropy")
+        op = await tc2.optim_step_async(trio.AdamParams(learning_rate=1e-3))
+        sampler = await tc2.save_weights_and_get_sampling_client_async(name="async-s")
+        sample = await sampler.sample_async(prompt=trio.ModelInput.from_ints(TOKENS[:3]), num_samples=2,
+                                            sampling_params=trio.SamplingParams(max_tokens=3, seed=1))
+        return await fb, await op, await sample
+
+    fb, op, sample = asyncio.run(main())
+    assert fb.metrics["loss:sum"] > 0 and op.metrics["step"] == 1.0 and len(sample.sequences) == 2
+
+
+def test_custom_cross_entropy_gives_builtin_gradient(service):
+    builtin, custom = trainer(service, seed=3), trainer(service, seed=3)
+    data = [datum(), datum(TOKENS[:6])]
+
+    def ce(batch, logprobs):
+        loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum() for d, lp in zip(batch, logprobs))
+        return loss, {"custom_metric": 1.0}
+
+    out_custom = custom.forward_backward_custom(data, ce)
+    custom.optim_step(trio.AdamParams(learning_rate=1e-2))
+    out_builtin = builtin.forward_backward(data, "cross_entropy")
+    builtin.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    assert out_custom.result().metrics["loss:sum"] == pytest.approx(out_builtin.result().metrics["loss:sum"], rel=1e-5)
+    assert out_custom.result().metrics["custom_metric"] == 1.0
+    after = [tc.forward(data).result().loss_fn_outputs for tc in (custom, builtin)]
+    for a, b in zip(*after):
+        np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-5)
+
+
+def test_checkpoints_resume_and_sample(service):
+    tc = trainer(service, seed=1)
+    tc.forward_backward([datum()])
+    tc.optim_step(trio.AdamParams(learning_rate=1e-2))
+    saved = tc.save_state("step-1").result()
+    assert saved.path == f"trio://{tc.model_id}/weights/step-1"
+    resumed = service.create_training_client_from_state_with_optimizer(saved.path)
+    assert resumed.get_info().step == 1
+    fresh = service.create_training_client_from_state(saved.path)
+    assert fresh.get_info().step == 0
+    a = resumed.forward([datum()]).result().loss_fn_outputs[0]["logprobs"].tolist()
+    b = tc.forward([datum()]).result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert a == pytest.approx(b, abs=1e-6)
+    tc.load_state_with_optimizer(saved.path).result()
+
+    path = tc.save_weights_for_sampler("s1").result().path
+    assert path == f"trio://{tc.model_id}/sampler_weights/s1"
+    sampler = service.create_sampling_client(model_path=path)
+    greedy = trio.SamplingParams(max_tokens=4, temperature=0.0)
+    seq = sampler.sample(trio.ModelInput.from_ints(TOKENS[:4]), 1, greedy).result().sequences[0]
+    logprobs = sampler.compute_logprobs(trio.ModelInput.from_ints(TOKENS[:4] + seq.tokens)).result()
+    assert logprobs[0] is None
+    assert logprobs[4:] == pytest.approx(seq.logprobs, abs=1e-4)
+
+
+def test_sampling_params(service):
+    sampler = service.create_sampling_client(base_model=MODEL)
+    prompt = trio.ModelInput.from_ints(TOKENS[:5])
+    params = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=42)
+    a = sampler.sample(prompt, 3, params).result()
+    b = sampler.sample(prompt, 3, params).result()
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    assert all(s.stop_reason == "length" and len(s.logprobs) == 6 for s in a.sequences)
+    first = a.sequences[0].tokens[0]
+    stopped = sampler.sample(prompt, 1, params.model_copy(update={"stop": [first]})).result().sequences[0]
+    assert stopped.tokens == [first] and stopped.stop_reason == "stop"
+    with_prompt = sampler.sample(prompt, 1, params, include_prompt_logprobs=True).result()
+    assert with_prompt.prompt_logprobs[0] is None and len(with_prompt.prompt_logprobs) == 5
+
+
+def test_tokenizer_comes_from_the_service(service):
+    tok = trainer(service).get_tokenizer()
+    ids = tok.encode("Question: what is trio\nAnswer:", add_special_tokens=True)
+    assert tok.decode(ids) == "Question: what is trio\nAnswer:"
+
+
+def test_bad_input_errors(service):
+    tc = trainer(service)
+    with pytest.raises(trio.ValidationError, match="name"):
+        tc.save_state("bad name!")
+    bad = datum(TOKENS[:3], weights=[1.0])
+    with pytest.raises(trio.ValidationError, match=r"data\[1\].*weights.*length 1") as err:
+        tc.forward_backward([datum(), bad]).result()
+    assert err.value.request_id
+    oov = datum([1, 2, 10**7])
+    with pytest.raises(trio.ValidationError, match=r"data\[0\].*10000000"):
+        tc.forward([oov]).result()
+    with pytest.raises(trio.ValidationError, match="cross_entropy"):
+        tc.forward([datum()], "crossentropy").result()
+    with pytest.raises(trio.ValidationError, match=r"Available models.*trio/tiny-llama"):
+        service.create_lora_training_client(base_model="Qwen/Qwen3-4B-Instruct-2507")
+    with pytest.raises(trio.NotFoundError):
+        service.create_training_client_from_state(f"trio://{tc.model_id}/weights/never-saved")
+    with pytest.raises(trio.ValidationError, match="path"):
+        service.create_training_client_from_state("s3://elsewhere")
+    with pytest.raises(trio.ValidationError, match="max_tokens"):
+        service.create_sampling_client(base_model=MODEL).sample(
+            trio.ModelInput.from_ints([1, 2]), 1, trio.SamplingParams(max_tokens=0)).result()
+    # the run still works after all that: nothing accepted was lost
+    assert tc.forward_backward([datum()]).result().metrics["loss:sum"] > 0
+
+
+def test_rest_client(service, tmp_path):
+    tc = trainer(service)
+    path = tc.save_state("rest-ckpt").result().path
+    rest = service.create_rest_client()
+    assert tc.model_id in [r.run_id for r in rest.list_training_runs()]
+    assert [c.path for c in rest.list_checkpoints(tc.model_id)] == [path]
+    assert path in [c.path for c in rest.list_user_checkpoints()]
+    archive = rest.download_checkpoint_archive(path, tmp_path, progress=False)
+    with tarfile.open(archive) as tar:
+        assert {"rest-ckpt/adapter.safetensors", "rest-ckpt/trio_state.json"} <= set(tar.getnames())
+    rest.delete_checkpoint(path)
+    assert rest.list_checkpoints(tc.model_id) == []
+    with pytest.raises(trio.NotFoundError):
+        rest.delete_checkpoint(path)
+
+
+def test_capabilities(service):
+    caps = service.get_server_capabilities()
+    assert MODEL in caps.supported_models and caps.max_seq_len > 0 and caps.max_batch_size > 0

@@ -1,0 +1,50 @@
+"""Types: conversions users rely on, and that importing the SDK never imports torch."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import pytrio as trio
+
+
+def test_datum_accepts_lists_numpy_and_torch():
+    d = trio.Datum(
+        model_input=trio.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": np.array([2, 3, 4]), "weights": torch.tensor([0.0, 1.0, 1.0]),
+                        "advantages": [0.5, -1, 2]},
+    )
+    assert d.loss_fn_inputs["target_tokens"].dtype == "int64"
+    assert d.loss_fn_inputs["weights"].tolist() == [0.0, 1.0, 1.0]
+    assert d.loss_fn_inputs["advantages"].to_numpy().dtype == np.float32
+    assert d.loss_fn_inputs["weights"].to_torch().dtype == torch.float32
+    t = trio.TensorData.from_numpy(np.arange(6).reshape(2, 3))
+    assert t.shape == [2, 3] and t.to_numpy().shape == (2, 3)
+    with pytest.raises(ValueError, match="weights"):
+        trio.Datum(model_input=trio.ModelInput.from_ints([1]), loss_fn_inputs={"weights": [object()]})
+
+
+def test_model_input_helpers():
+    m = trio.ModelInput.from_ints([1, 2]).append_int(3).append(trio.EncodedTextChunk(tokens=[4]))
+    assert m.to_ints() == [1, 2, 3, 4] and m.length == 4 and len(m.chunks) == 3
+    assert trio.ModelInput.empty().length == 0
+
+
+def test_defaults_match_the_docs():
+    p = trio.AdamParams()
+    assert (p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay) == (1e-4, 0.9, 0.999, 1e-12, 0.0)
+
+
+def test_import_does_not_import_torch():
+    code = "import sys, pytrio as trio; trio.ServiceClient; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_error_tree():
+    for cls in (trio.ValidationError, trio.NotFoundError, trio.AuthenticationError, trio.CapacityError,
+                trio.ServerError, trio.ConnectionError, trio.TimeoutError):
+        assert issubclass(cls, trio.TrioError)
+    assert issubclass(trio.ValidationError, ValueError)
