@@ -85,7 +85,9 @@ class Session:
 
 
 def _load_tokenizer(files: dict[str, str]) -> Any:
-    from transformers import AutoTokenizer
+    # PreTrainedTokenizerFast, not AutoTokenizer: the latter imports torch when installed,
+    # and the SDK must stay torch-free. The server always ships a tokenizer.json.
+    from transformers import PreTrainedTokenizerFast
 
     digest = hashlib.sha256("".join(sorted(files)).encode() + files.get("tokenizer.json", "").encode()).hexdigest()[:16]
     folder = Path(os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio") / "client-tokenizers" / digest
@@ -98,4 +100,4 @@ def _load_tokenizer(files: dict[str, str]) -> Any:
             tmp.rename(folder)
         except OSError:  # another process won the race; its copy is identical
             shutil.rmtree(tmp, ignore_errors=True)
-    return AutoTokenizer.from_pretrained(folder)
+    return PreTrainedTokenizerFast.from_pretrained(folder)

@@ -55,6 +55,8 @@ class AdamState:
 def adamw_step(params: dict[str, torch.Tensor], state: AdamState, cfg: AdamConfig) -> dict:
     """Apply one step using ``p.grad``, zero the grads, and return metrics."""
     names = [n for n, p in params.items() if p.grad is not None]
+    if not names:  # nothing accumulated: like torch's AdamW, change nothing, not even the step
+        return {"grad_norm": 0.0, "learning_rate": cfg.learning_rate, "step": float(state.step)}
     ps = [params[n] for n in names]
     grads = [p.grad for p in ps]
     grad_norm = _global_norm(grads)

@@ -30,6 +30,7 @@ from .core import ServiceCore, ServiceError
 log = logging.getLogger("trio.server")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+PUBLIC_PATHS = {"/api/v1/healthz"}
 
 
 def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
@@ -37,7 +38,7 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
     app.state.core = core
 
     def user(request: Request) -> str:
-        return authenticate(core.store, request, auth)
+        return request.state.user_id  # set by the middleware, before any body is parsed
 
     @app.exception_handler(ServiceError)
     async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
@@ -57,6 +58,11 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
         if length and length.isdigit() and int(length) > max_body_bytes:
             # refused on the header, before the body is read
             return _error(413, "validation", f"request body of {length} bytes exceeds the limit of {max_body_bytes}")
+        if request.url.path.startswith("/api/") and request.url.path not in PUBLIC_PATHS:
+            try:
+                request.state.user_id = authenticate(core.store, request, auth)
+            except ServiceError as exc:
+                return _error(exc.status, exc.category, exc.message)
         response = await call_next(request)
         log.info("%s %s %d %.0fms", request.method, request.url.path, response.status_code,
                  (time.monotonic() - started) * 1000)
@@ -75,13 +81,11 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
         return Response(outcome.to_json(body.request_id), media_type="application/json")
 
     @app.get("/api/v1/capabilities")
-    async def capabilities(request: Request) -> t.ServerCapabilities:
-        user(request)
+    async def capabilities() -> t.ServerCapabilities:
         return core.capabilities()
 
     @app.get("/api/v1/tokenizer")
-    def tokenizer(base_model: str, request: Request) -> t.TokenizerFiles:
-        user(request)
+    def tokenizer(base_model: str) -> t.TokenizerFiles:
         return core.tokenizer_files(base_model)
 
     @app.get("/api/v1/runs")

@@ -55,3 +55,12 @@ def test_weight_decay_touches_only_that_adapter(tiny_host, new_id):
 def test_bad_adam_params(field, value):
     with pytest.raises(ValueError, match=field):
         AdamConfig(**{field: value})
+
+
+def test_step_without_gradients_changes_nothing(tiny_host, new_id):
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=2))
+    before = {k: v.clone() for k, v in tiny_host.adapter_params(aid).items()}
+    metrics = tiny_host.optim_step(aid, AdamConfig(learning_rate=0.1, weight_decay=0.5))
+    assert metrics["step"] == 0 and metrics["grad_norm"] == 0
+    assert all(torch.equal(before[k], v) for k, v in tiny_host.adapter_params(aid).items())

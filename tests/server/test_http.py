@@ -1,0 +1,165 @@
+"""The HTTP service: auth isolation, malformed input, idempotency, ordering, limits."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+import pytrio as trio
+from trio_server.app import create_app
+from trio_server.core import Limits, ServiceCore
+
+from ..sdk.conftest import ServerThread
+
+MODEL = "trio/tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    core = ServiceCore(tmp_path_factory.mktemp("srv"), dtype="float32",
+                       limits=Limits(max_batch_size=8, max_seq_len=256, max_tokens_per_request=600))
+    srv = ServerThread(create_app(core, auth=True, max_body_bytes=200_000))
+    srv.core = core
+    yield srv
+    srv.stop()
+    core.close()
+
+
+def client_for(server) -> trio.ServiceClient:
+    return trio.ServiceClient(base_url=server.url, api_key=server.core.store.create_api_key("t"))
+
+
+def datum(n=6):
+    toks = list(range(1, n + 2))
+    return trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]),
+                      loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * n})
+
+
+def test_health_needs_no_key_everything_else_does(server):
+    assert httpx.get(server.url + "/api/v1/healthz").json() == {"status": "ok"}
+    for method, path in [("GET", "/api/v1/runs"), ("POST", "/api/v1/create_model"), ("GET", "/api/v1/capabilities")]:
+        r = httpx.request(method, server.url + path, json={})
+        assert r.status_code == 401, path
+        r = httpx.request(method, server.url + path, json={}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.json()["error"]["category"] == "authentication"
+
+
+def test_keys_are_stored_hashed(server):
+    key = server.core.store.create_api_key("hashed")
+    rows = server.core.store.engine.connect().exec_driver_sql("select key_hash from api_keys").fetchall()
+    assert key not in {r[0] for r in rows}
+
+
+def test_users_are_isolated(server):
+    alice, bob = client_for(server), client_for(server)
+    tc = alice.create_lora_training_client(base_model=MODEL, rank=2)
+    state = tc.save_state("mine").result().path
+    sampler_path = tc.save_weights_for_sampler("mine-s").result().path
+    sampler = alice.create_sampling_client(model_path=sampler_path)
+
+    bob_rest = bob.create_rest_client()
+    assert bob_rest.list_training_runs() == [] and bob_rest.list_user_checkpoints() == []
+    with pytest.raises(trio.NotFoundError):
+        bob_rest.get_training_run(tc.model_id)
+    with pytest.raises(trio.NotFoundError):
+        bob.create_sampling_client(model_path=sampler_path)
+    with pytest.raises(trio.NotFoundError):
+        bob.create_training_client_from_state(state)
+    with pytest.raises(trio.NotFoundError):
+        bob_rest.delete_checkpoint(state)
+    with pytest.raises(trio.NotFoundError):
+        bob_rest.download_checkpoint_archive(state, progress=False)
+    bob_sampler = trio.SamplingClient(bob._session, sampler.sampler_id, MODEL)  # a stolen id
+    with pytest.raises(trio.NotFoundError):
+        bob_sampler.sample(trio.ModelInput.from_ints([1, 2]), 1).result()
+    bob_trainer = trio.TrainingClient(bob._session, tc.model_id, MODEL)
+    with pytest.raises(trio.NotFoundError):
+        bob_trainer.forward([datum()]).result()
+    assert len(alice.create_rest_client().list_user_checkpoints()) == 2
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        (b"{not json", 400),
+        (b'{"base_model": 5}', 422),
+        (b'{"base_model": "trio/tiny-llama", "lora_config": {"rank": "big"}}', 422),
+        (b"[]", 422),
+        (b'{"base_model": "trio/tiny-llama", "extra": 1}', 422),
+    ],
+)
+def test_malformed_and_mistyped_bodies_get_4xx_with_message(server, body, status):
+    key = server.core.store.create_api_key("m")
+    r = httpx.post(server.url + "/api/v1/create_model", content=body,
+                   headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    assert r.status_code == status
+    assert r.json()["error"]["message"]
+
+
+def test_wrong_types_in_forward_name_the_field(server):
+    key = server.core.store.create_api_key("w")
+    r = httpx.post(server.url + "/api/v1/forward", headers={"Authorization": f"Bearer {key}"},
+                   json={"model_id": "run-0", "seq": 0, "data": [{"model_input": {"chunks": [{"tokens": ["a"]}]}}]})
+    assert r.status_code == 422 and "data[0].model_input.chunks[0].tokens[0]" in r.json()["error"]["message"]
+
+
+def test_idempotent_submit_runs_once(server):
+    svc = client_for(server)
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    tc.forward_backward([datum()]).result()
+    key = svc._session.transport.headers["Authorization"]
+    body = {"model_id": tc.model_id, "seq": 1, "adam_params": {"learning_rate": 0.01}}
+    ids = {httpx.post(server.url + "/api/v1/optim_step", json=body,
+                      headers={"Authorization": key, "Idempotency-Key": "k-1"}).json()["request_id"] for _ in range(3)}
+    assert len(ids) == 1
+    tc._seq = iter(range(2, 100))  # the raw submits above used seq 1
+    tc.forward_backward([datum()])
+    assert tc.optim_step().result().metrics["step"] == 2.0  # the keyed step ran once, not three times
+
+
+def test_ordering_under_concurrency(server):
+    """Two clients, many interleaved fb/optim requests from threads: each run stays in order."""
+    svc = client_for(server)
+    runs = [svc.create_lora_training_client(base_model=MODEL, rank=2, seed=s) for s in (1, 2)]
+    steps: dict[str, list] = {r.model_id: [] for r in runs}
+
+    def drive(tc):
+        futures = []
+        for _ in range(6):
+            futures.append(tc.forward_backward([datum()]))
+            futures.append(tc.optim_step(trio.AdamParams(learning_rate=1e-3)))
+        steps[tc.model_id] = [f.result().metrics["step"] for f in futures[1::2]]
+
+    threads = [threading.Thread(target=drive, args=(tc,)) for tc in runs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert all(s == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] for s in steps.values()), steps
+
+
+def test_limits_name_the_limit_and_keep_the_run_going(server):
+    svc = client_for(server)
+    assert svc.get_server_capabilities().max_batch_size == 8
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    with pytest.raises(trio.ValidationError, match="max_batch_size=8"):
+        tc.forward_backward([datum()] * 9).result()
+    with pytest.raises(trio.ValidationError, match="max_seq_len=256"):
+        tc.forward([datum(300)]).result()
+    with pytest.raises(trio.ValidationError, match="max_tokens_per_request=600"):
+        tc.forward([datum(100)] * 7).result()
+    assert tc.forward([datum()]).result().metrics["loss:sum"] > 0  # later calls don't wait forever
+
+
+def test_oversized_body_refused_before_reading(server):
+    key = server.core.store.create_api_key("big")
+    r = httpx.post(server.url + "/api/v1/forward", content=b"x" * 300_000,
+                   headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_openapi_schema(server):
+    schema = httpx.get(server.url + "/openapi.json").json()
+    assert "/api/v1/forward_backward" in schema["paths"] and "/api/v1/retrieve_future" in schema["paths"]
