@@ -108,7 +108,7 @@ class TrainingClient:
         weighted = [
             t.Datum(model_input=d.model_input, loss_fn_inputs={
                 "target_tokens": d.loss_fn_inputs["target_tokens"],
-                "weights": (-g if g is not None else torch.zeros_like(lp)).tolist()})
+                "weights": t.TensorData.coerce((-g if g is not None else torch.zeros_like(lp)).tolist())})
             for d, g, lp in zip(data, grads, logprobs)
         ]
         request = t.ForwardRequest(model_id=self.model_id, seq=seq, data=weighted, loss_fn="cross_entropy")

@@ -33,7 +33,7 @@ class TensorData(_Model):
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> TensorData:
-        dtype = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
+        dtype: Literal["int64", "float32"] = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
         return cls(data=array.reshape(-1).tolist(), dtype=dtype, shape=list(array.shape))
 
     @classmethod

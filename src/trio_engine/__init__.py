@@ -2,7 +2,14 @@
 a batched KV-cache sampler and checkpoint I/O. Imports torch; the SDK never imports it."""
 
 from .catalog import DEFAULT_MODEL, TINY_LLAMA, TINY_QWEN3, Catalog, ModelNotAvailableError
-from .host import AdapterNotFoundError, Example, ForwardJob, ForwardResult, InvalidInputError, ModelHost
+from .host import (
+    AdapterNotFoundError,
+    Example,
+    ForwardJob,
+    ForwardResult,
+    InvalidInputError,
+    ModelHost,
+)
 from .lora import LORA_ALPHA, LoraConfig
 from .optim import AdamConfig
 from .sampler import SampleRequest, SampleResult, SamplingConfig

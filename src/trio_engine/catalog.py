@@ -199,7 +199,7 @@ def _convert_gguf(package_dir: Path, filename: str, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=filename)
     # GGUF loading leaves a quantizer and quantization_config behind; a plain
     # checkpoint must carry neither, or later loads go through the GGUF path again.
-    model.hf_quantizer = None
+    setattr(model, "hf_quantizer", None)  # noqa: B010 - typed as a module attribute
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = ""

@@ -47,7 +47,7 @@ class Example:
     """One datum: input ``tokens`` and per-token ``inputs`` (target_tokens, weights, ...)."""
 
     tokens: list[int]
-    inputs: dict[str, list[float]]
+    inputs: dict[str, Sequence[float]]
 
 
 @dataclass
@@ -287,7 +287,7 @@ class ModelHost:
         per_datum = [outputs[(j, i)] for i in range(len(job.examples))]
         metric_sums: dict[str, float] = {}
         active = 0.0
-        for (_, loss, token_metrics), ex in zip(per_datum, job.examples):
+        for (_, _, token_metrics), ex in zip(per_datum, job.examples):
             mask = torch.tensor(ex.inputs.get("weights", [1.0] * len(ex.tokens))) != 0
             active += float(mask.sum())
             for name, values in token_metrics.items():

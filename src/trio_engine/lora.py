@@ -132,7 +132,7 @@ def install(model: nn.Module) -> Routing:
     """Wrap every candidate linear layer of ``model`` once; returns the shared Routing."""
     routing = Routing()
     suffixes = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if child_name in suffixes and isinstance(child, nn.Linear):
                 setattr(module, child_name, LoRALinear(child, routing))

@@ -58,7 +58,7 @@ def adamw_step(params: dict[str, torch.Tensor], state: AdamState, cfg: AdamConfi
     if not names:  # nothing accumulated: like torch's AdamW, change nothing, not even the step
         return {"grad_norm": 0.0, "learning_rate": cfg.learning_rate, "step": float(state.step)}
     ps = [params[n] for n in names]
-    grads = [p.grad for p in ps]
+    grads = [p.grad for p in ps if p.grad is not None]  # all of them, by construction of names
     grad_norm = _global_norm(grads)
     if cfg.grad_clip_norm > 0 and grad_norm > cfg.grad_clip_norm:
         torch._foreach_mul_(grads, cfg.grad_clip_norm / (grad_norm + 1e-6))

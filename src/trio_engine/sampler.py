@@ -37,6 +37,7 @@ class SamplingConfig:
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # run to max_tokens (benchmarks, fixed-length rollouts)
 
 
 @dataclass
@@ -226,7 +227,7 @@ def _eos_ids(host: ModelHost) -> set[int]:
 
 def _stop_reason(host: ModelHost, row: _Row, c: SamplingConfig, eos: set[int]) -> str:
     last = row.tokens[-1]
-    if last in eos or last in c.stop_token_ids:
+    if (last in eos and not c.ignore_eos) or last in c.stop_token_ids:
         return "stop"
     if c.stop_strings:
         # decode a tail long enough to hold any stop string (a token is >= 1 character)

@@ -11,8 +11,9 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pydantic
 
@@ -55,10 +56,11 @@ def execute(worker: HostWorker, batch: list[WorkItem]) -> None:
                  item.op, elapsed, _tokens(item), "failed" if error else "done")
 
 
+T = TypeVar("T")
 Result = tuple[pydantic.BaseModel | None, ServiceError | None]
 
 
-def _guard(fn, *args) -> Result:
+def _guard(fn: Callable[..., T], *args: Any) -> tuple[T | None, ServiceError | None]:
     """Run one handler, turning engine exceptions into client-facing errors."""
     from trio_engine import AdapterNotFoundError
 
@@ -97,7 +99,7 @@ def _forward(host: Any, batch: list[WorkItem]) -> list[Result]:
         fn = host.forward_backward if batch[0].op == "forward_backward" else host.forward
         outs, error = _guard(fn, list(jobs.values()))
         for n, k in enumerate(jobs):
-            results[k] = (None, error) if error else (_forward_output(outs[n]), None)
+            results[k] = (None, error) if outs is None else (_forward_output(outs[n]), None)
     return results
 
 
@@ -139,7 +141,7 @@ def _sample(worker: HostWorker, host: Any, batch: list[WorkItem]) -> list[Result
     if requests:
         outs, error = _guard(host.sample, list(requests.values()))
         for n, k in enumerate(requests):
-            results[k] = (None, error) if error else (_sample_response(outs[n]), None)
+            results[k] = (None, error) if outs is None else (_sample_response(outs[n]), None)
     return results
 
 

@@ -8,7 +8,14 @@ import torch
 
 from trio_engine import Example, ForwardJob, InvalidInputError, LoraConfig
 
-from .helpers import assert_same_snapshot, plain_model, random_example, randomize_adapter, reference_logprobs, snapshot
+from .helpers import (
+    assert_same_snapshot,
+    plain_model,
+    random_example,
+    randomize_adapter,
+    reference_logprobs,
+    snapshot,
+)
 
 TOL = 1e-5
 

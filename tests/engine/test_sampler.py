@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from trio_engine import Example, ForwardJob, InvalidInputError, LoraConfig, SampleRequest, SamplingConfig
+from trio_engine import (
+    Example,
+    ForwardJob,
+    InvalidInputError,
+    LoraConfig,
+    SampleRequest,
+    SamplingConfig,
+)
 
 from .helpers import plain_model, randomize_adapter
 

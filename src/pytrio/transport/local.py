@@ -12,8 +12,8 @@ import contextlib
 import os
 import shutil
 import threading
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from ..errors import error_from_category

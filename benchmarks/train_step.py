@@ -1,0 +1,100 @@
+"""One LoRA training step (forward_backward + AdamW) vs transformers + peft.
+
+Same model (the bundled SmolLM2-135M), same data, same dtype, rank 32 on every linear
+layer of the blocks, AdamW. The baseline is what a user writes by hand: pad the batch
+to its longest sequence, ``model(input_ids, attention_mask, labels)``, backward, step.
+
+    RESULT train_<dtype>_<ragged|dense> ours=<tokens/s> baseline=<tokens/s> ratio=...
+    FLOPS  train_<dtype>_<...> fraction_of_peak=...
+
+Run: .venv/bin/python benchmarks/train_step.py [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+from common import bundled_folder, peak_matmul_flops, result, timed
+
+from trio_engine import DEFAULT_MODEL, AdamConfig, Example, ForwardJob, LoraConfig, ModelHost
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def batches(vocab: int) -> dict[str, list[list[int]]]:
+    rng = random.Random(0)
+    ragged = [[rng.randrange(vocab) for _ in range(n + 1)] for n in [rng.randint(32, 256) for _ in range(16)]]
+    dense = [[rng.randrange(vocab) for _ in range(129)] for _ in range(8)]
+    return {"ragged": ragged, "dense": dense}
+
+
+def ours_step(host: ModelHost, seqs: list[list[int]]):
+    examples = [Example(s[:-1], {"target_tokens": s[1:]}) for s in seqs]
+
+    def step():
+        host.forward_backward([ForwardJob("bench", examples)])
+        host.optim_step("bench", AdamConfig(learning_rate=1e-4))
+
+    return step
+
+
+def peft_step(dtype: torch.dtype, seqs: list[list[int]]):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(bundled_folder(), dtype=dtype)
+    model = get_peft_model(model, PeftLoraConfig(r=32, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    width = max(len(s) for s in seqs) - 1
+    ids = torch.tensor([s[:-1] + [0] * (width - len(s) + 1) for s in seqs])
+    mask = torch.tensor([[1] * (len(s) - 1) + [0] * (width - len(s) + 1) for s in seqs])
+    labels = torch.tensor([s[1:] + [-100] * (width - len(s) + 1) for s in seqs])
+
+    def step():
+        # labels are already the next tokens, so the loss is computed here, unshifted
+        out = model(input_ids=ids, attention_mask=mask)
+        logits = out.logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def matmul_params(host: ModelHost) -> int:
+    """Weights that take part in matmuls per token (everything but the embedding lookup)."""
+    embed = host.model.get_input_embeddings().weight.numel()
+    total = sum(p.numel() for p in host.model.parameters())
+    return total - embed + host.unembed.weight.numel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        host = ModelHost(DEFAULT_MODEL, dtype=dtype)
+        host.create_adapter("bench", LoraConfig(rank=32, train_unembed=False))
+        peak = peak_matmul_flops(dtype)
+        for shape, seqs in batches(host.vocab_size).items():
+            tokens = sum(len(s) - 1 for s in seqs)
+            ours = timed(ours_step(host, seqs), args.repeats)
+            base = timed(peft_step(dtype, seqs), args.repeats)
+            name = f"train_{dtype_name}_{shape}"
+            result(name, tokens / ours, tokens / base, unit=" (tokens/s)")
+            # forward 2N + backward to activations 2N per token (frozen base: no weight grads)
+            flops = 4 * matmul_params(host) * tokens / ours
+            print(f"FLOPS {name} ours={flops / 1e9:.1f}GFLOP/s peak={peak / 1e9:.1f}GFLOP/s "
+                  f"fraction_of_peak={flops / peak:.3f}", flush=True)
+        del host
+
+
+if __name__ == "__main__":
+    main()

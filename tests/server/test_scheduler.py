@@ -1,0 +1,36 @@
+"""The scheduler is a pure function: test it without threads or models."""
+
+from trio_server.scheduler import WorkItem, next_batch
+
+
+def item(rid, op, run=None, seq=None, arrival=0):
+    return WorkItem(request_id=rid, op=op, request=None, user_id="u", run_id=run, seq=seq, arrival=arrival)
+
+
+def test_only_the_head_of_each_run_is_ready():
+    pending = [item("b", "optim_step", "r1", 1, arrival=0), item("a", "forward_backward", "r1", 0, arrival=1)]
+    assert [i.request_id for i in next_batch(pending, {"r1": 0})] == ["a"]
+    assert next_batch(pending[:1], {"r1": 0}) == []  # seq 1 waits for seq 0
+
+
+def test_forward_backward_of_several_runs_batch_together():
+    pending = [
+        item("a0", "forward_backward", "a", 0, arrival=0),
+        item("a1", "optim_step", "a", 1, arrival=1),
+        item("b0", "forward_backward", "b", 0, arrival=2),
+        item("c3", "forward_backward", "c", 3, arrival=3),  # not c's turn yet
+        item("s", "sample", arrival=4),
+    ]
+    batch = next_batch(pending, {"a": 0, "b": 0, "c": 2})
+    assert [i.request_id for i in batch] == ["a0", "b0"]
+
+
+def test_sampling_requests_batch_and_others_run_alone():
+    pending = [item("s1", "sample", arrival=0), item("c", "create_model", arrival=1), item("s2", "sample", arrival=2)]
+    assert [i.request_id for i in next_batch(pending, {})] == ["s1", "s2"]
+    assert [i.request_id for i in next_batch(pending[1:2], {})] == ["c"]
+
+
+def test_batch_size_is_capped():
+    pending = [item(f"s{k}", "sample", arrival=k) for k in range(10)]
+    assert len(next_batch(pending, {}, max_batch=4)) == 4

@@ -1,0 +1,57 @@
+"""The store on SQLite and on a real PostgreSQL server (``TRIO_TEST_POSTGRES_URL``,
+which .ci/run sets after starting Debian's PostgreSQL)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import pytrio as trio
+from pytrio.transport.local import LocalTransport
+from trio_server.core import RESTART_MESSAGE, ServiceCore
+from trio_server.store import Store, metadata
+
+PG_URL = os.environ.get("TRIO_TEST_POSTGRES_URL")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'trio.db'}"
+    if not PG_URL:
+        if os.environ.get("CI"):
+            pytest.fail("TRIO_TEST_POSTGRES_URL must be set in CI (.ci/run starts PostgreSQL)")
+        pytest.skip("no PostgreSQL: set TRIO_TEST_POSTGRES_URL")
+    metadata.drop_all(Store(PG_URL).engine)
+    return PG_URL
+
+
+def test_keys_runs_checkpoints_and_restart(db_url, tmp_path):
+    store = Store(db_url)
+    key = store.create_api_key("k")
+    assert store.user_for_key(key) and store.user_for_key("wrong") is None
+
+    core = ServiceCore(tmp_path / "data", db_url=db_url, dtype="float32")
+    svc = trio.ServiceClient(transport=LocalTransport(core, user_id="u1"))
+    tc = svc.create_lora_training_client(base_model="trio/tiny-llama", rank=2)
+    toks = [1, 2, 3, 4, 5]
+    d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+    tc.forward_backward([d]).result()
+    tc.optim_step().result()
+    path = tc.save_state("c1").result().path
+    # a request pending when the process dies
+    core.store.insert(
+        __import__("trio_server.store", fromlist=["requests"]).requests, request_id="req-dead", user_id="u1",
+        op="forward", run_id=tc.model_id, seq=99, status="pending", created_at="2026-01-01",
+    )
+    core.close()
+
+    reborn = ServiceCore(tmp_path / "data", db_url=db_url, dtype="float32")
+    assert reborn.next_seq[tc.model_id] == 100
+    assert [r.run_id for r in reborn.list_runs("u1")] == [tc.model_id]
+    assert reborn.list_runs("someone-else") == []
+    assert [c.path for c in reborn.list_checkpoints("u1")] == [path]
+    outcome = reborn._stored_outcome("u1", "req-dead")
+    assert outcome.status == "failed" and outcome.error.message == RESTART_MESSAGE
+    reborn.close()
