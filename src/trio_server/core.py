@@ -95,6 +95,7 @@ class ServiceCore:
         catalog: Any = None,
         dtype: str | None = None,
         limits: Limits = Limits(),
+        idle_offload_seconds: float = 600.0,
     ):
         from trio_engine import Catalog
 
@@ -104,6 +105,7 @@ class ServiceCore:
         self.catalog = catalog or Catalog()
         self.dtype = dtype
         self.limits = limits
+        self.idle_offload_seconds = idle_offload_seconds
         self.lock = threading.RLock()
         self.workers: dict[str, HostWorker] = {}
         self.futures: dict[str, concurrent.futures.Future[Outcome]] = {}
@@ -382,6 +384,7 @@ class HostWorker:
         self._host_lock = threading.Lock()
         self._stopped = False
         self.sampler_adapters: OrderedDict[str, str] = OrderedDict()  # checkpoint path -> adapter id
+        self.last_used: dict[str, float] = {}  # run id -> when a request last touched it
         self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{base_model}", daemon=True)
         self.thread.start()
 
@@ -418,22 +421,54 @@ class HostWorker:
             self.cond.notify()
 
     def _loop(self) -> None:
+        """schedule -> execute -> resolve; when idle, offload runs nobody is using."""
         from .handlers import execute
 
         while True:
             with self.cond:
-                batch = next_batch(self.pending, self.core.next_seq)
-                while not batch and not self._stopped:
-                    self.cond.wait(timeout=1.0)
-                    batch = next_batch(self.pending, self.core.next_seq)
                 if self._stopped:
                     return
+                batch = next_batch(self.pending, self.core.next_seq)
+                if not batch:
+                    self.cond.wait(timeout=1.0)
+                    batch = next_batch(self.pending, self.core.next_seq)
                 for item in batch:
                     self.pending.remove(item)
                     self.running.add(item.request_id)
+            if not batch:
+                self._offload_idle()
+                continue
             try:
                 execute(self, batch)
             finally:
                 with self.cond:
                     self.running.difference_update(i.request_id for i in batch)
+
+    # -- idle runs live on disk -----------------------------------------------------
+
+    def offload_dir(self, run_id: str) -> Path:
+        return self.core.data_dir / "offload" / run_id
+
+    def touch(self, run_id: str) -> None:
+        self.last_used[run_id] = time.monotonic()
+
+    def ensure_resident(self, run_id: str) -> None:
+        """Bring an offloaded run back (also after a restart) before its next request."""
+        host = self.host()
+        folder = self.offload_dir(run_id)
+        if run_id not in host.adapters and folder.exists():
+            host.restore(run_id, str(folder))
+            shutil.rmtree(folder)  # memory is the truth again; a stale copy must not be restored later
+            log.info("restored idle run %s from disk", run_id)
+        self.touch(run_id)
+
+    def _offload_idle(self) -> None:
+        if self._host is None:
+            return
+        cutoff = time.monotonic() - self.core.idle_offload_seconds
+        for run_id, used in list(self.last_used.items()):
+            if used < cutoff and run_id in self._host.adapters:
+                self._host.offload(run_id, str(self.offload_dir(run_id)))
+                del self.last_used[run_id]
+                log.info("offloaded idle run %s to disk", run_id)
 

@@ -41,6 +41,11 @@ def execute(worker: HostWorker, batch: list[WorkItem]) -> None:
         for item in batch:
             worker.core.resolve(item, None, ServiceError("server", f"loading {worker.base_model}: {exc}", 500))
         return
+    for item in batch:
+        if item.run_id is not None:
+            _, error = _guard(worker.ensure_resident, item.run_id)
+            if error:
+                log.error("could not restore run %s: %s", item.run_id, error.message)
     if batch[0].op in ("forward", "forward_backward"):
         results = _forward(host, batch)
     elif batch[0].op == "sample":
@@ -194,6 +199,7 @@ def _create_model(worker: HostWorker, host: Any, item: WorkItem) -> t.CreateMode
                         train_unembed=cfg.train_unembed)
     run_id = item.context["run_id"]
     host.create_adapter(run_id, config)
+    worker.touch(run_id)
     _insert_run(worker, item, run_id, req.base_model, config)
     return t.CreateModelResponse(model_id=run_id, base_model=req.base_model)
 
@@ -203,6 +209,7 @@ def _create_model_from_state(worker: HostWorker, host: Any, item: WorkItem) -> t
     row = item.context["checkpoint"]
     run_id = item.context["run_id"]
     host.load_state(run_id, str(worker.core.checkpoint_dir(row["run_id"], "weights", row["name"])), req.with_optimizer)
+    worker.touch(run_id)
     _insert_run(worker, item, run_id, worker.base_model, host.adapters[run_id].config)
     return t.CreateModelResponse(model_id=run_id, base_model=worker.base_model)
 

@@ -35,3 +35,31 @@ def test_forward_backward_of_different_runs_share_one_pass(tmp_path):
     assert calls == [3], calls
     assert all(r.metrics["loss:sum"] > 0 for r in results)
     core.close()
+
+
+def test_idle_runs_move_to_disk_and_come_back_unchanged(tmp_path):
+    toks = list(range(1, 9))
+    d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+    offloading = ServiceCore(tmp_path / "a", dtype="float32", idle_offload_seconds=0.3)
+    resident = ServiceCore(tmp_path / "b", dtype="float32")  # the reference never offloads
+    runs = [trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(
+        base_model=MODEL, rank=2, seed=7) for core in (offloading, resident)]
+    for tc in runs:
+        tc.forward_backward([d])
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2))
+        tc.forward_backward([d]).result()  # pending grads, not yet applied
+    worker = offloading.workers[MODEL]
+    deadline = time.monotonic() + 10
+    while runs[0].model_id in worker.host().adapters and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert runs[0].model_id not in worker.host().adapters  # offloaded
+    assert worker.offload_dir(runs[0].model_id).exists()
+    assert runs[1].model_id in resident.workers[MODEL].host().adapters
+    offloading.idle_offload_seconds = 600
+    for tc in runs:
+        assert tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result().metrics["step"] == 2.0
+    a, b = (tc.forward([d]).result().loss_fn_outputs[0]["logprobs"].tolist() for tc in runs)
+    assert a == b  # weights, moments and pending grads all survived the trip
+    assert not worker.offload_dir(runs[0].model_id).exists()
+    offloading.close()
+    resident.close()
