@@ -20,7 +20,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,8 @@ from .store import samplers as samplers_table
 
 log = logging.getLogger("trio.server")
 
+KEEP_FINISHED_SECONDS = 600.0
+KEEP_FINISHED_MAX = 10_000
 RESTART_MESSAGE = "the server restarted while this request was in flight; submit it again"
 
 
@@ -112,6 +114,7 @@ class ServiceCore:
         self.owners: dict[str, str] = {}  # request_id -> user_id, for in-memory futures
         self.idempotency: dict[tuple[str, str], str] = {}
         self.next_seq: dict[str, int] = {}
+        self.finished: deque[tuple[float, str, str | None]] = deque()  # (when, request id, idempotency key)
         self.arrivals = itertools.count()
         self._recover()
 
@@ -155,6 +158,7 @@ class ServiceCore:
             self.owners[item.request_id] = user_id
             if idempotency_key:
                 self.idempotency[(user_id, idempotency_key)] = item.request_id
+                item.context["idempotency_key"] = idempotency_key
         self.store.insert(
             requests_table, request_id=item.request_id, user_id=user_id, op=op, run_id=item.run_id,
             seq=item.seq, status="pending", idempotency_key=idempotency_key, created_at=now(),
@@ -312,6 +316,19 @@ class ServiceCore:
         future = self.futures.get(item.request_id)
         if future is not None and not future.done():
             future.set_result(outcome)
+        self._forget_old(item)
+
+    def _forget_old(self, item: WorkItem) -> None:
+        """Finished futures stay in memory for a while; after that the store answers."""
+        now_s = time.monotonic()
+        with self.lock:
+            self.finished.append((now_s, item.request_id, item.context.get("idempotency_key")))
+            while self.finished and (now_s - self.finished[0][0] > KEEP_FINISHED_SECONDS or len(self.finished) > KEEP_FINISHED_MAX):
+                _, request_id, key = self.finished.popleft()
+                user_id = self.owners.pop(request_id, None)
+                self.futures.pop(request_id, None)
+                if key is not None:
+                    self.idempotency.pop((user_id or "", key), None)
 
     def checkpoint_dir(self, run_id: str, kind: str, name: str) -> Path:
         return self.data_dir / "checkpoints" / run_id / kind / name

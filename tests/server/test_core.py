@@ -63,3 +63,22 @@ def test_idle_runs_move_to_disk_and_come_back_unchanged(tmp_path):
     assert not worker.offload_dir(runs[0].model_id).exists()
     offloading.close()
     resident.close()
+
+
+def test_old_futures_leave_memory_but_stay_retrievable(tmp_path, monkeypatch):
+    from pytrio.futures import run_sync
+    from trio_server import core as core_module
+
+    monkeypatch.setattr(core_module, "KEEP_FINISHED_MAX", 2)
+    core = ServiceCore(tmp_path, dtype="float32")
+    svc = trio.ServiceClient(transport=LocalTransport(core))
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    transport = svc._session.transport
+    first = run_sync(transport.submit("get_info", {"model_id": tc.model_id}, "key-1"))
+    want = run_sync(transport.retrieve(first, 10))
+    for _ in range(4):
+        tc.get_info()
+    assert first not in core.futures  # forgotten in memory
+    assert run_sync(transport.retrieve(first, 10)) == want  # the store still answers
+    assert run_sync(transport.submit("get_info", {"model_id": tc.model_id}, "key-1")) == first  # still idempotent
+    core.close()
