@@ -34,6 +34,19 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def timed_pair(ours: Callable[[], object], baseline: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Median seconds of each, measured alternately (ABAB...) so drift hits both alike."""
+    ours()
+    baseline()
+    a, b = [], []
+    for _ in range(repeats):
+        for fn, times in ((ours, a), (baseline, b)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(a), statistics.median(b)
+
+
 def result(name: str, ours: float, baseline: float, unit: str = "") -> None:
     """One line per measurement; values are 'higher is better' so ratio > 1 means we win."""
     print(f"RESULT {name} ours={ours:.4g} baseline={baseline:.4g} ratio={ours / baseline:.3f}{unit}", flush=True)

@@ -16,7 +16,7 @@ import argparse
 import random
 
 import torch
-from common import bundled_folder, peak_matmul_flops, result, timed
+from common import bundled_folder, peak_matmul_flops, result, timed_pair
 
 from trio_engine import DEFAULT_MODEL, AdamConfig, Example, ForwardJob, LoraConfig, ModelHost
 
@@ -74,7 +74,7 @@ def matmul_params(host: ModelHost) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -85,8 +85,7 @@ def main() -> None:
         peak = peak_matmul_flops(dtype)
         for shape, seqs in batches(host.vocab_size).items():
             tokens = sum(len(s) - 1 for s in seqs)
-            ours = timed(ours_step(host, seqs), args.repeats)
-            base = timed(peft_step(dtype, seqs), args.repeats)
+            ours, base = timed_pair(ours_step(host, seqs), peft_step(dtype, seqs), args.repeats)
             name = f"train_{dtype_name}_{shape}"
             result(name, tokens / ours, tokens / base, unit=" (tokens/s)")
             # forward 2N + backward to activations 2N per token (frozen base: no weight grads)

@@ -229,17 +229,13 @@ class ModelHost:
         return [self._collect(j, job, outputs) for j, job in enumerate(jobs)]
 
     def _micro_batches(self, jobs: list[ForwardJob], rows: list[tuple[int, int]]):
-        """Sort rows by length; cut when the padded size would pass the token budget."""
-        length = {r: len(jobs[r[0]].examples[r[1]].tokens) for r in rows}
-        batch: list[tuple[int, int]] = []
-        for row in sorted(rows, key=lambda r: -length[r]):
-            # sorted descending, so the first row of a batch sets its padded length
-            if batch and (len(batch) + 1) * length[batch[0]] > self.max_batch_tokens:
-                yield batch
-                batch = []
-            batch.append(row)
-        if batch:
-            yield batch
+        """Rows sorted by length, split where padding costs more than another pass."""
+        ordered = sorted(rows, key=lambda r: -len(jobs[r[0]].examples[r[1]].tokens))
+        lengths = [len(jobs[j].examples[i].tokens) for j, i in ordered]
+        start = 0
+        for end in split_by_length(lengths, self.max_batch_tokens):
+            yield ordered[start:end]
+            start = end
 
     def _run_micro_batch(self, jobs: list[ForwardJob], micro: list[tuple[int, int]], backward: bool):
         examples = [jobs[j].examples[i] for j, i in micro]
@@ -409,6 +405,37 @@ class ModelHost:
             "dtype": str(self.dtype).removeprefix("torch."),
             "num_adapters": len(self.adapters),
         }
+
+
+# A forward pass costs about this many padded tokens on top of its tokens (per-layer
+# launches, weight reads), so tiny micro-batches are not free.
+PASS_OVERHEAD_TOKENS = 64
+
+
+def split_by_length(lengths: list[int], budget: int) -> list[int]:
+    """End indices of micro-batches over ``lengths`` (sorted descending).
+
+    Dynamic programming over contiguous groups: minimise the padded tokens
+    sum(len(group) * group_max) plus PASS_OVERHEAD_TOKENS per group, with each group's
+    padded size within ``budget`` (a single longer row still gets its own group).
+    """
+    n = len(lengths)
+    best = [0.0] + [math.inf] * n  # best[k]: cost of the first k rows
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        for begin in range(end - 1, -1, -1):
+            padded = (end - begin) * lengths[begin]  # lengths[begin] is the group's max
+            if padded > budget and begin < end - 1:
+                break
+            cost = best[begin] + padded + PASS_OVERHEAD_TOKENS
+            if cost < best[end]:
+                best[end], cut[end] = cost, begin
+    ends = []
+    k = n
+    while k > 0:
+        ends.append(k)
+        k = cut[k]
+    return ends[::-1]
 
 
 def _loss_inputs(ex: Example, n: int) -> dict[str, torch.Tensor]:

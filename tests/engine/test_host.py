@@ -137,3 +137,16 @@ def test_bad_loss_config(tiny_host):
     ex = Example([1, 2], {"target_tokens": [2, 3], "logprobs": [0, 0], "advantages": [1, 1]})
     with pytest.raises(InvalidInputError, match="clip_hi"):
         tiny_host.forward([ForwardJob(None, [ex], "ppo", {"clip_hi": 2.0})])
+
+
+def test_micro_batches_cut_padding():
+    from trio_engine.host import PASS_OVERHEAD_TOKENS, split_by_length
+
+    assert split_by_length([100, 100, 100], 4096) == [3]  # equal lengths: one pass
+    ends = split_by_length([256, 250, 240, 64, 60, 32], 4096)
+    assert ends == [3, 6]  # long ones together, short ones together
+    assert split_by_length([300, 10], 200) == [1, 2]  # over-budget rows run alone
+    lengths = sorted(random.Random(0).choices(range(32, 257), k=16), reverse=True)
+    ends = split_by_length(lengths, 4096)
+    padded = sum((e - b) * lengths[b] for b, e in zip([0, *ends[:-1]], ends)) + PASS_OVERHEAD_TOKENS * len(ends)
+    assert padded < 0.8 * len(lengths) * lengths[0]  # well under padding everything to the longest
