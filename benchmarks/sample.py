@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 import torch
-from common import bundled_folder, result
+from common import bundled_folder, result, timed_pair
 
 from trio_engine import DEFAULT_MODEL, LoraConfig, ModelHost, SampleRequest, SamplingConfig
 
@@ -33,36 +32,35 @@ def prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(f"Question: {q}\nReturn only the final numeric answer.\nAnswer:") for q in QUESTIONS]
 
 
-def ours(host: ModelHost, requests: list[tuple[list[int], int, int]]) -> float:
-    """Tokens per second for all requests submitted together, each run to max_tokens."""
+def ours(host: ModelHost, requests: list[tuple[list[int], int, int]]):
+    """All requests submitted together, each run to max_tokens; returns (call, tokens)."""
     reqs = [SampleRequest("bench", p, n, SamplingConfig(max_tokens=m, temperature=1.0, seed=k, ignore_eos=True))
             for k, (p, n, m) in enumerate(requests)]
-    host.sample(reqs[:1])  # warm-up
-    start = time.perf_counter()
-    out = host.sample(reqs)
-    seconds = time.perf_counter() - start
-    return sum(len(s.tokens) for r in out for s in r.sequences) / seconds
+    return lambda: host.sample(reqs), sum(n * m for _, n, m in requests)
 
 
-def baseline(model, tokenizer, requests: list[tuple[list[int], int, int]]) -> float:
-    """Tokens per second for a loop of generate calls, one per prompt."""
-    def run(p, n, m):
-        ids = torch.tensor([p])
-        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                              top_k=0, max_new_tokens=m, min_new_tokens=m, num_return_sequences=n,
-                              pad_token_id=tokenizer.pad_token_id)
+def baseline(model, tokenizer, requests: list[tuple[list[int], int, int]]):
+    """A loop of generate calls, one per prompt; returns (call, tokens)."""
+    def run():
+        for p, n, m in requests:
+            ids = torch.tensor([p])
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                           top_k=0, max_new_tokens=m, min_new_tokens=m, num_return_sequences=n,
+                           pad_token_id=tokenizer.pad_token_id)
 
-    run(*requests[0])  # warm-up
-    start = time.perf_counter()
-    total = 0
-    for p, n, m in requests:
-        total += (run(p, n, m).shape[1] - len(p)) * n
-    return total / (time.perf_counter() - start)
+    return run, sum(n * m for _, n, m in requests)
+
+
+def compare(name: str, host: ModelHost, model, tokenizer, requests, repeats: int) -> None:
+    (ours_fn, tokens), (base_fn, _) = ours(host, requests), baseline(model, tokenizer, requests)
+    ours_s, base_s = timed_pair(ours_fn, base_fn, repeats)
+    result(name, tokens / ours_s, tokens / base_s, unit=" (tokens/s)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -82,12 +80,9 @@ def main() -> None:
             tokenizer = host.tokenizer
             ps = prompts(tokenizer)
             with torch.no_grad():
-                single = [(ps[0], 8, 64)]
-                result(f"sample_{dtype_name}_single", ours(host, single), baseline(peft_model, tokenizer, single),
-                       unit=" (tokens/s)")
-                rollout = [(p, 4, 32) for p in ps]
-                result(f"sample_{dtype_name}_rollout", ours(host, rollout), baseline(peft_model, tokenizer, rollout),
-                       unit=" (tokens/s)")
+                compare(f"sample_{dtype_name}_single", host, peft_model, tokenizer, [(ps[0], 8, 64)], args.repeats)
+                compare(f"sample_{dtype_name}_rollout", host, peft_model, tokenizer, [(p, 4, 32) for p in ps],
+                        args.repeats)
         del host
 
 

@@ -121,11 +121,18 @@ class LoRALinear(nn.Module):
             b = self.lora_B[adapter_id].to(x.dtype)
             scale = self.scales[adapter_id]
             if rows is None:
-                out = out + (x @ a.t()) @ b.t() * scale
+                out = _add_low_rank(out, x, a, b, scale)
             else:
-                delta = (x[rows] @ a.t()) @ b.t() * scale  # (rows, T, out)
+                delta = _add_low_rank(torch.zeros_like(out[rows]), x[rows], a, b, scale)  # (rows, T, out)
                 out = out.index_add(0, rows, delta)
         return out
+
+
+def _add_low_rank(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """out + scale · (x Aᵀ) Bᵀ as one addmm over flattened tokens (fewer kernels per layer)."""
+    flat = out.reshape(-1, out.shape[-1])  # (B·T, out)
+    low = x.reshape(-1, x.shape[-1]) @ a.t()  # (B·T, r)
+    return torch.addmm(flat, low, b.t(), alpha=scale).view(out.shape)
 
 
 def install(model: nn.Module) -> Routing:

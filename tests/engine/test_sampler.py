@@ -122,3 +122,21 @@ def test_bad_sampling_input(tiny_host, kwargs, field):
     req = SampleRequest(None, kwargs.pop("prompt", [1, 2]), **kwargs)
     with pytest.raises(InvalidInputError, match=field):
         tiny_host.sample([SampleRequest(None, [1, 2]), req])
+
+
+@pytest.mark.parametrize("cfg, allowed", [
+    (SamplingConfig(temperature=1.0), {0, 1, 2, 3, 4}),
+    (SamplingConfig(temperature=1.0, top_k=2), {0, 1}),
+    (SamplingConfig(temperature=1.0, top_p=0.7), {0, 1}),
+])
+def test_draws_follow_the_filtered_distribution(cfg, allowed):
+    """Empirical frequencies of sample_tokens match softmax of the filtered logits."""
+    from trio_engine.sampler import sample_tokens
+
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]])).repeat(20_000, 1)
+    draws = sample_tokens(logits, cfg, torch.Generator().manual_seed(0))
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    mask = torch.tensor([k in allowed for k in range(5)])
+    expected = torch.where(mask, probs, 0) / probs[mask].sum()
+    freq = torch.bincount(draws, minlength=5).float() / len(draws)
+    assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
