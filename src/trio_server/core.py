@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pydantic
+import sqlalchemy as sa
 
 from pytrio import types as t
 from pytrio.errors import describe_validation_error
@@ -125,9 +126,9 @@ class ServiceCore:
         failed = self.store.fail_pending(RESTART_MESSAGE)
         if failed:
             log.warning("marked %d in-flight requests failed after restart", len(failed))
+        max_seq = self.store.max_seq_by_run()
         for run in self.store.select(runs_table):
-            seqs = [r["seq"] for r in self.store.select(requests_table, run_id=run["run_id"]) if r["seq"] is not None]
-            self.next_seq[run["run_id"]] = max([run["next_seq"], *(s + 1 for s in seqs)])
+            self.next_seq[run["run_id"]] = max(run["next_seq"], max_seq.get(run["run_id"], -1) + 1)
 
     # -- submit / retrieve ------------------------------------------------------------
 
@@ -144,6 +145,8 @@ class ServiceCore:
         base_model = self._route(item)
         rejection = None
         with self.lock:
+            if idempotency_key and (existing := self._idempotent(user_id, idempotency_key)):
+                return existing  # a concurrent retry registered it meanwhile
             if item.run_id is not None and item.seq is not None:
                 self._check_seq(item)
             try:
@@ -159,10 +162,17 @@ class ServiceCore:
             if idempotency_key:
                 self.idempotency[(user_id, idempotency_key)] = item.request_id
                 item.context["idempotency_key"] = idempotency_key
-        self.store.insert(
-            requests_table, request_id=item.request_id, user_id=user_id, op=op, run_id=item.run_id,
-            seq=item.seq, status="pending", idempotency_key=idempotency_key, created_at=now(),
-        )
+        try:
+            self.store.insert(
+                requests_table, request_id=item.request_id, user_id=user_id, op=op, run_id=item.run_id,
+                seq=item.seq, status="pending", idempotency_key=idempotency_key, created_at=now(),
+            )
+        except sa.exc.IntegrityError:  # a concurrent submit with the same key won the race
+            self._unregister(item.request_id)
+            existing = self._idempotent(user_id, idempotency_key or "")
+            if existing is None:
+                raise
+            return existing
         self._worker(base_model).enqueue(item)
         if rejection:
             raise rejection
@@ -193,6 +203,14 @@ class ServiceCore:
             if position is not None:
                 return f"queued (position {position})" if position else "running"
         return "running"
+
+    def _unregister(self, request_id: str) -> None:
+        with self.lock:
+            self.futures.pop(request_id, None)
+            user_id = self.owners.pop(request_id, None)
+            for key, rid in list(self.idempotency.items()):
+                if rid == request_id and key[0] == user_id:
+                    del self.idempotency[key]
 
     def _idempotent(self, user_id: str, key: str) -> str | None:
         with self.lock:

@@ -135,6 +135,11 @@ class Store:
         with self.engine.begin() as c:
             c.execute(query)
 
+    def max_seq_by_run(self) -> dict[str, int]:
+        query = sa.select(requests.c.run_id, sa.func.max(requests.c.seq)).where(requests.c.seq.is_not(None)).group_by(requests.c.run_id)
+        with self.engine.connect() as c:
+            return {run_id: seq for run_id, seq in c.execute(query)}
+
     def fail_pending(self, message: str) -> list[dict]:
         """At start-up: requests left pending by a crash become failed."""
         pending = self.select(requests, status="pending")

@@ -82,3 +82,23 @@ def test_old_futures_leave_memory_but_stay_retrievable(tmp_path, monkeypatch):
     assert run_sync(transport.retrieve(first, 10)) == want  # the store still answers
     assert run_sync(transport.submit("get_info", {"model_id": tc.model_id}, "key-1")) == first  # still idempotent
     core.close()
+
+
+def test_concurrent_retries_with_one_key_run_once(tmp_path):
+    import concurrent.futures as cf
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    svc = trio.ServiceClient(transport=LocalTransport(core))
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    body = {"model_id": tc.model_id, "seq": 0}
+    route = core._route
+
+    def slow_route(item):  # widen the window between the first key check and registering
+        time.sleep(0.05)
+        return route(item)
+
+    core._route = slow_route
+    with cf.ThreadPoolExecutor(8) as pool:
+        ids = set(pool.map(lambda _: core.submit("local", "optim_step", body, "same-key"), range(16)))
+    assert len(ids) == 1
+    core.close()
