@@ -93,6 +93,9 @@ class LoRALinear(nn.Module):
         self.lora_A: dict[str, torch.Tensor] = {}  # id -> (r, in), fp32
         self.lora_B: dict[str, torch.Tensor] = {}  # id -> (out, r), fp32
         self.scales: dict[str, float] = {}
+        # inference-time casts of A/B to the activation dtype, keyed by the tensor and its
+        # version counter, which every in-place optimizer update bumps
+        self._casts: dict[tuple[int, torch.dtype], tuple[int, torch.Tensor]] = {}
 
     @property
     def weight(self) -> torch.Tensor:  # models that tie or inspect weights still work
@@ -107,7 +110,21 @@ class LoRALinear(nn.Module):
         self.lora_B[adapter_id] = torch.zeros(out_f, rank, requires_grad=True)
         self.scales[adapter_id] = scale
 
+    def _as(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``p`` in ``dtype``; cached outside autograd so decode steps don't re-cast."""
+        if p.dtype == dtype or torch.is_grad_enabled():
+            return p.to(dtype)
+        key = (id(p), dtype)
+        hit = self._casts.get(key)
+        if hit is None or hit[0] != p._version:
+            hit = (p._version, p.detach().to(dtype))
+            self._casts[key] = hit
+        return hit[1]
+
     def remove(self, adapter_id: str) -> None:
+        for p in (self.lora_A.get(adapter_id), self.lora_B.get(adapter_id)):
+            for dtype in (torch.bfloat16, torch.float16):
+                self._casts.pop((id(p), dtype), None)
         self.lora_A.pop(adapter_id, None)
         self.lora_B.pop(adapter_id, None)
         self.scales.pop(adapter_id, None)
@@ -117,8 +134,8 @@ class LoRALinear(nn.Module):
         for adapter_id, rows in self.routing.segments:
             if adapter_id not in self.lora_A:
                 continue
-            a = self.lora_A[adapter_id].to(x.dtype)
-            b = self.lora_B[adapter_id].to(x.dtype)
+            a = self._as(self.lora_A[adapter_id], x.dtype)
+            b = self._as(self.lora_B[adapter_id], x.dtype)
             scale = self.scales[adapter_id]
             if rows is None:
                 out = _add_low_rank(out, x, a, b, scale)

@@ -95,3 +95,19 @@ def test_mixed_adapter_batch_equals_solo_runs(tiny_host, new_id):
             for k, p in tiny_host.adapter_params(aid).items():
                 torch.testing.assert_close(mixed_grads[aid][k], p.grad, atol=TOL, rtol=1e-4)
             tiny_host.zero_grad(aid)
+
+
+def test_inference_cast_cache_follows_updates():
+    """bf16 activations: a cached cast of A/B must refresh after an in-place update."""
+    base = torch.nn.Linear(8, 6).to(torch.bfloat16)
+    routing = Routing()
+    layer = LoRALinear(base, routing)
+    layer.add("a", rank=2, scale=1.0, gen=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    with routing.use([("a", None)]), torch.no_grad():
+        before = layer(x)
+        layer.lora_B["a"].add_(1.0)  # what the optimizer does: an in-place update
+        after = layer(x)
+        want = base(x) + (x @ layer.lora_A["a"].to(torch.bfloat16).T) @ layer.lora_B["a"].to(torch.bfloat16).T
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after, want, atol=1e-2, rtol=1e-2)
