@@ -20,6 +20,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 def run_example(name: str, tmp_path, **env) -> str:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PYTRIO_")}
     # a fresh embedded data dir, but keep the converted model cache
+    tmp_path.mkdir(exist_ok=True)
     full_env.update(TRIO_HOME=str(tmp_path), **env)
     models = Path(os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio") / "models"
     if models.exists():
@@ -39,6 +40,21 @@ def test_sft_example_learns_about_trio(name, tmp_path):
     base = out.split("Base Responses:")[1].split("SFT Responses:")[0]
     sft = out.split("SFT Responses:")[1]
     assert "trio" in sft.lower() and "trio" not in base.lower(), out
+
+
+@pytest.mark.slow
+def test_sft_example_runs_unchanged_against_trio_serve(tmp_path):
+    from .sdk.conftest import ServeProcess, free_port
+
+    server = ServeProcess(tmp_path, free_port())
+    key = server.create_key()
+    server.start()
+    try:
+        out = run_example("sft.py", tmp_path / "client", PYTRIO_BASE_URL=server.url, PYTRIO_API_KEY=key)
+    finally:
+        server.proc.terminate()
+        server.proc.wait(30)
+    assert "trio" in out.split("SFT Responses:")[1].lower(), out
 
 
 @pytest.mark.slow

@@ -91,15 +91,14 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     return background_loop().submit(coro).result()
 
 
-def sync_twin(async_fn: Callable[..., Awaitable[T]], doc: str = "") -> Callable[..., T]:
+def sync_twin(async_fn: Callable[..., Awaitable[T]]) -> Callable[..., T]:
     """The blocking version of an async method that returns a value (not a future)."""
 
-    @functools.wraps(async_fn)
+    @functools.wraps(async_fn)  # keeps the async method's docstring: same operation
     def method(self, *args, **kwargs):
         return run_sync(async_fn(self, *args, **kwargs))
 
     method.__name__ = async_fn.__name__.removesuffix("_async")
-    method.__doc__ = doc or f"Blocking version of ``{async_fn.__name__}``."
     return method
 
 

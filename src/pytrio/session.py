@@ -24,7 +24,6 @@ from .types import FutureResponse
 
 R = TypeVar("R", bound=BaseModel)
 
-SUBMIT_RETRIES = 5
 POLL_SECONDS = 30.0
 RECONNECT_SECONDS = 60.0
 
@@ -67,14 +66,16 @@ class Session:
     async def _submit(self, op: str, body: dict[str, Any]) -> str:
         """Retries reuse one idempotency key, so a retried submit never runs twice."""
         key = uuid.uuid4().hex
-        for attempt in range(SUBMIT_RETRIES):
+        deadline = time.monotonic() + RECONNECT_SECONDS  # ride out a service restart
+        delay = 0.1
+        while True:
             try:
                 return await self.transport.submit(op, body, key)
             except TrioConnectionError:
-                if attempt == SUBMIT_RETRIES - 1:
+                if time.monotonic() > deadline:
                     raise
-                await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
-        raise AssertionError("unreachable")
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     async def tokenizer(self, base_model: str) -> Any:
         """A Hugging Face tokenizer from files the service provides (no model hub)."""

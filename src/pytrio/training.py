@@ -8,6 +8,7 @@ at call time and the service runs a run's requests in that order, so
 from __future__ import annotations
 
 import itertools
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -157,7 +158,7 @@ class TrainingClient:
 
     async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
         """Save sampler weights (named ``name``, or a fresh name) and return a sampler on them."""
-        saved = await self.save_weights_for_sampler(name or f"sampler-{self._next_name()}")
+        saved = await self.save_weights_for_sampler(name or f"sampler-{secrets.token_hex(6)}")
         return await self.create_sampling_client_async(saved.path)
 
     async def get_info_async(self) -> t.GetInfoResponse:
@@ -173,11 +174,6 @@ class TrainingClient:
     def get_tokenizer(self) -> Any:
         """The base model's Hugging Face tokenizer (files come from the service)."""
         return run_sync(self.get_tokenizer_async())
-
-    def _next_name(self) -> str:
-        import time
-
-        return f"{int(time.time() * 1000)}"
 
 
 def _validated(model: type[Any], **fields: Any) -> Any:

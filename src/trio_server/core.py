@@ -32,7 +32,7 @@ from pytrio import types as t
 from pytrio.errors import describe_validation_error
 
 from . import checkpoints as ckpt
-from .scheduler import WorkItem, next_batch
+from .scheduler import WorkItem, next_batch, stalled_runs
 from .store import Store, dumps, now
 from .store import checkpoints as checkpoints_table
 from .store import requests as requests_table
@@ -56,6 +56,7 @@ class Limits:
     max_lora_rank: int = 256
     max_samples_per_request: int = 256
     max_sampler_adapters: int = 16  # LRU of loaded sampler weights per host
+    seq_gap_seconds: float = 30.0  # how long a run's later requests wait for a missing one
 
 
 class ServiceError(Exception):
@@ -420,6 +421,7 @@ class HostWorker:
         self._stopped = False
         self.sampler_adapters: OrderedDict[str, str] = OrderedDict()  # checkpoint path -> adapter id
         self.last_used: dict[str, float] = {}  # run id -> when a request last touched it
+        self.queued_at: dict[str, float] = {}  # request id -> when it was queued
         self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{base_model}", daemon=True)
         self.thread.start()
 
@@ -436,6 +438,7 @@ class HostWorker:
 
     def enqueue(self, item: WorkItem) -> None:
         with self.cond:
+            self.queued_at[item.request_id] = time.monotonic()
             self.pending.append(item)
             self.cond.notify()
 
@@ -469,8 +472,10 @@ class HostWorker:
                     batch = next_batch(self.pending, self.core.next_seq)
                 for item in batch:
                     self.pending.remove(item)
+                    self.queued_at.pop(item.request_id, None)
                     self.running.add(item.request_id)
             if not batch:
+                self._skip_missing_seqs()
                 self._offload_idle()
                 continue
             try:
@@ -496,6 +501,16 @@ class HostWorker:
             shutil.rmtree(folder)  # memory is the truth again; a stale copy must not be restored later
             log.info("restored idle run %s from disk", run_id)
         self.touch(run_id)
+
+    def _skip_missing_seqs(self) -> None:
+        with self.cond:
+            stalled = stalled_runs(self.pending, self.core.next_seq, self.queued_at, time.monotonic(),
+                                   self.core.limits.seq_gap_seconds)
+        for run_id, seq in stalled.items():
+            log.warning("run %s: requests %d..%d never arrived; continuing at %d",
+                        run_id, self.core.next_seq.get(run_id, 0), seq - 1, seq)
+            with self.core.lock:
+                self.core.next_seq[run_id] = seq
 
     def _offload_idle(self) -> None:
         if self._host is None:

@@ -32,6 +32,27 @@ def is_ready(item: WorkItem, next_seq: dict[str, int]) -> bool:
     return item.run_id is None or item.seq is None or next_seq.get(item.run_id, 0) == item.seq
 
 
+def stalled_runs(pending: list[WorkItem], next_seq: dict[str, int], waited: dict[str, float], now: float,
+                 gap_seconds: float) -> dict[str, int]:
+    """Runs whose expected request never came: ``{run: lowest seq that did}``.
+
+    A client whose submit failed for good (the service was down) has used a sequence
+    number the service never saw; its later requests must not wait forever for it.
+    ``waited`` maps request id -> when it was queued.
+    """
+    lowest: dict[str, WorkItem] = {}
+    for item in pending:
+        if item.run_id is None or item.seq is None:
+            continue
+        if item.run_id not in lowest or item.seq < lowest[item.run_id].seq:  # type: ignore[operator]
+            lowest[item.run_id] = item
+    return {
+        run: item.seq  # type: ignore[misc]
+        for run, item in lowest.items()
+        if item.seq > next_seq.get(run, 0) and now - waited.get(item.request_id, now) > gap_seconds  # type: ignore[operator]
+    }
+
+
 def next_batch(pending: list[WorkItem], next_seq: dict[str, int], max_batch: int = 64) -> list[WorkItem]:
     """The items to execute together next; empty when nothing is ready."""
     ready = sorted((i for i in pending if is_ready(i, next_seq)), key=lambda i: i.arrival)

@@ -3,51 +3,20 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 
-import httpx
 import pytest
 
 import pytrio as trio
 from pytrio.futures import run_sync
 from trio_server.core import RESTART_MESSAGE
 
-from ..sdk.conftest import free_port
+from ..sdk.conftest import ServeProcess, free_port
 
 MODEL = "trio/tiny-llama"
-
-
-class ServeProcess:
-    def __init__(self, data_dir, port):
-        self.data_dir, self.port = data_dir, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self):
-        cmd = [sys.executable, "-m", "pytrio.cli", "serve", "--port", str(self.port), "--data-dir", str(self.data_dir)]
-        self.log = open(self.data_dir / f"serve-{time.time()}.log", "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/api/v1/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("trio serve did not come up")
-
-    def kill(self):
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def create_key(self) -> str:
-        out = subprocess.run([sys.executable, "-m", "pytrio.cli", "keys", "create", "--name", "t",
-                              "--data-dir", str(self.data_dir)], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
 
 
 @pytest.fixture

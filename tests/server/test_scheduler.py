@@ -34,3 +34,12 @@ def test_sampling_requests_batch_and_others_run_alone():
 def test_batch_size_is_capped():
     pending = [item(f"s{k}", "sample", arrival=k) for k in range(10)]
     assert len(next_batch(pending, {}, max_batch=4)) == 4
+
+
+def test_a_missing_sequence_number_stops_blocking_after_the_gap():
+    from trio_server.scheduler import stalled_runs
+
+    pending = [item("b", "forward", "r", 3), item("c", "forward", "r", 4), item("d", "forward", "s", 0)]
+    waited = {"b": 100.0, "c": 100.0, "d": 100.0}
+    assert stalled_runs(pending, {"r": 2, "s": 0}, waited, now=105.0, gap_seconds=30) == {}
+    assert stalled_runs(pending, {"r": 2, "s": 0}, waited, now=131.0, gap_seconds=30) == {"r": 3}
