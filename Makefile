@@ -32,6 +32,8 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
 	$(BIN)/python benchmarks/sample.py
+	$(BIN)/python benchmarks/memory.py
+	$(BIN)/python benchmarks/overhead.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
