@@ -96,8 +96,7 @@ def validate_request(req: SampleRequest, k: int, vocab_size: int, max_seq_len: i
 
 @dataclass
 class _Row:
-    request: int
-    prompt_row: int
+    request: int  # index into requests, and into the prefill batch (one prompt row each)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str = ""
@@ -106,17 +105,17 @@ class _Row:
 def generate(host: ModelHost, requests: list[SampleRequest]) -> list[SampleResult]:
     cache = DynamicCache()
     hidden, mask = _prefill(host, requests, cache)  # (P, H) last prompt position, (P, L)
-    prompt_lp = [_prompt_logprobs(host, r) if r.prompt_logprobs else None for r in requests]
-    rows = [_Row(k, k) for k, r in enumerate(requests) for _ in range(r.num_samples)]
-    index = torch.tensor([row.prompt_row for row in rows])
+    prompt_lp = [host.compute_logprobs(r.adapter_id, r.prompt) if r.prompt_logprobs else None for r in requests]
+    rows = [_Row(k) for k, r in enumerate(requests) for _ in range(r.num_samples)]
+    index = torch.tensor([row.request for row in rows])
     cache.batch_select_indices(index)  # share each prompt's prefill across its samples
     hidden, mask = hidden[index], mask[index]
     gens = [_generator(r.config.seed) for r in requests]
     eos = _eos_ids(host)
 
     live = list(range(len(rows)))
+    adapters = [requests[row.request].adapter_id for row in rows]  # of the live rows
     while live:
-        adapters = [requests[rows[i].request].adapter_id for i in live]
         logits = _logits(host, hidden, adapters)  # (R, V) fp32
         tokens = _draw(logits, [rows[i] for i in live], requests, gens)  # (R,)
         logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
@@ -135,8 +134,9 @@ def generate(host: ModelHost, requests: list[SampleRequest]) -> list[SampleResul
             cache.batch_select_indices(sel)
             mask, tokens = mask[sel], tokens[sel]
             live = [live[j] for j in keep]
+            adapters = [adapters[j] for j in keep]
         mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype)], dim=1)
-        hidden = _decode(host, tokens, mask, cache, [requests[rows[i].request].adapter_id for i in live])
+        hidden = _decode(host, tokens, mask, cache, adapters)
 
     results = [SampleResult([], lp) for lp in prompt_lp]
     for row in rows:
@@ -179,10 +179,6 @@ def _trunk(host: ModelHost, ids, mask, positions, cache: DynamicCache):
 def _logits(host: ModelHost, hidden: torch.Tensor, adapters) -> torch.Tensor:
     with host.routing.use(lora.segments(adapters)):
         return host.unembed(hidden).float()  # (R, V)
-
-
-def _prompt_logprobs(host: ModelHost, req: SampleRequest) -> list[float | None]:
-    return host.compute_logprobs(req.adapter_id, req.prompt)
 
 
 def _draw(logits: torch.Tensor, rows: list[_Row], requests: list[SampleRequest], gens) -> torch.Tensor:
