@@ -154,8 +154,14 @@ def _hub_reachable(timeout: float = 2.0) -> bool:
 # Loading
 
 
-def load_model_and_tokenizer(source: ModelSource, dtype: Any, seed: int = 0) -> tuple[Any, Any]:
-    """Load (model, tokenizer) for a resolved source; model in eval mode, frozen."""
+def load_model_and_tokenizer(
+    source: ModelSource, dtype: Any, seed: int = 0, device: Any = "cpu"
+) -> tuple[Any, Any]:
+    """Load (model, tokenizer) for a resolved source; model in eval mode, frozen, on ``device``.
+
+    Weights are built or read on the CPU first, then moved, so a tiny model's random
+    init (seeded on the CPU) is the same on every device.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -168,6 +174,7 @@ def load_model_and_tokenizer(source: ModelSource, dtype: Any, seed: int = 0) -> 
             folder = converted_gguf_folder(source)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(folder)
+    model.to(device)
     model.eval()
     model.requires_grad_(False)
     if tokenizer.pad_token_id is None:

@@ -8,6 +8,9 @@ Training state (resume training)::
 
 Sampler weights are a standard PEFT LoRA folder (adapter_config.json +
 adapter_model.safetensors) that peft, vLLM and others load as is.
+
+Checkpoints are device-independent: ``save_*`` writes CPU copies, ``load_*`` returns CPU
+tensors, and the host copies them onto its own device.
 """
 
 from __future__ import annotations
@@ -66,12 +69,12 @@ def load_training_state(folder: str | Path, with_optimizer: bool) -> TrainingSta
     if meta.get("format") != FORMAT:
         raise ValueError(f"path: unsupported checkpoint format {meta.get('format')!r}")
     config = LoraConfig(**meta["lora_config"])
-    weights = load_file(folder / "adapter.safetensors")
+    weights = load_file(folder / "adapter.safetensors", device="cpu")
     optim = None
     if with_optimizer:
         if meta["optimizer_step"] is None:
             raise ValueError(f"path: checkpoint at {folder} was saved without optimizer state")
-        moments = load_file(folder / "optimizer.safetensors")
+        moments = load_file(folder / "optimizer.safetensors", device="cpu")
         optim = AdamState(
             step=int(meta["optimizer_step"]),
             exp_avg={k[len("exp_avg.") :]: v for k, v in moments.items() if k.startswith("exp_avg.")},
@@ -90,10 +93,11 @@ def save_grads(folder: str | Path, params: dict[str, torch.Tensor]) -> None:
 
 
 def load_grads(folder: str | Path, params: dict[str, torch.Tensor]) -> None:
+    """Set each parameter's ``.grad`` from ``save_grads``' file, on the parameter's device."""
     path = Path(folder) / "grads.safetensors"
     if path.exists():
-        for k, g in load_file(path).items():
-            params[k].grad = g
+        for k, g in load_file(path, device="cpu").items():
+            params[k].grad = g.to(params[k].device, params[k].dtype)
 
 
 def save_peft_adapter(
@@ -131,7 +135,7 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
         train_unembed=bool(targets & set(UNEMBED_TARGETS)),
         alpha=float(cfg["lora_alpha"]),
     )
-    raw = load_file(folder / "adapter_model.safetensors")
+    raw = load_file(folder / "adapter_model.safetensors", device="cpu")
     weights = {
         k[len(PEFT_PREFIX) : -len(".weight")]: v.float() for k, v in raw.items()
     }
@@ -139,4 +143,5 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
 
 
 def _detached(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+    """Contiguous CPU copies, whatever device the tensors live on."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}

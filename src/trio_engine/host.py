@@ -8,12 +8,14 @@ are sorted by length and cut into micro-batches under a token budget, right-padd
 within each micro-batch. With right padding a causal model never lets a real token see
 a pad, so no attention mask is needed and a datum's result does not depend on its
 neighbours. The unembedding and the log-softmax run only on real tokens.
+
+A host lives on one device (``device.resolve_device``): every tensor it makes is made
+there, and everything it returns is device-free (Python lists, CPU checkpoints).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,23 +25,15 @@ import torch
 
 from . import checkpoint, lora, sampler
 from .catalog import DEFAULT_MODEL, Catalog, load_model_and_tokenizer
+from .device import DTYPES, resolve_device, resolve_dtype
+from .errors import AdapterNotFoundError, InvalidInputError
 from .losses import LOSSES, OPTIONAL_INPUTS
 from .optim import AdamConfig, AdamState, adamw_step
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class InvalidInputError(ValueError):
-    """Bad request data. ``index`` is the datum index (or None), ``field`` the field."""
-
-    def __init__(self, message: str, index: int | None = None, field: str | None = None):
-        super().__init__(message)
-        self.index = index
-        self.field = field
-
-
-class AdapterNotFoundError(KeyError):
-    pass
+__all__ = [
+    "DTYPES", "AdapterNotFoundError", "Adapter", "Example", "ForwardJob", "ForwardResult",
+    "InvalidInputError", "ModelHost", "split_by_length",
+]
 
 
 @dataclass
@@ -73,18 +67,26 @@ class Adapter:
     optim: AdamState = field(default_factory=AdamState)
 
 
-def default_dtype() -> torch.dtype:
-    return DTYPES[os.environ.get("TRIO_DTYPE", "float32")]
-
-
 class ModelHost:
     """A base model shared by many adapters.
 
     Args:
         model_name: a catalog name (``Catalog().available()`` lists them).
-        dtype: compute dtype of the base weights; LoRA weights stay fp32.
+        dtype: compute dtype of the base weights; LoRA weights stay fp32. None:
+            ``$TRIO_DTYPE``, else bfloat16 on CUDA and float32 on the CPU.
         catalog: where to look the name up.
         max_batch_tokens: token budget of one training micro-batch (padded size).
+        device: ``"auto" | "cpu" | "cuda" | "cuda:N"`` or a torch.device. None:
+            ``$TRIO_DEVICE``, else ``"auto"`` (CUDA when available).
+
+    Raises:
+        ValueError: an unknown or unavailable device, or an unknown dtype name.
+        ModelNotAvailableError: the model cannot be loaded here.
+
+    Example:
+        >>> host = ModelHost("trio/tiny-llama", dtype="float32", device="cpu")
+        >>> host.info()["device"]
+        'cpu'
     """
 
     def __init__(
@@ -93,13 +95,13 @@ class ModelHost:
         dtype: torch.dtype | str | None = None,
         catalog: Catalog | None = None,
         max_batch_tokens: int = 4096,
+        device: str | torch.device | None = None,
     ):
-        if isinstance(dtype, str):
-            dtype = DTYPES[dtype]
-        self.dtype = dtype or default_dtype()
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
         self.model_name = model_name
         source = (catalog or Catalog()).resolve(model_name)
-        self.model, self.tokenizer = load_model_and_tokenizer(source, self.dtype)
+        self.model, self.tokenizer = load_model_and_tokenizer(source, self.dtype, device=self.device)
         self.routing = lora.install(self.model)
         self.trunk = self.model.get_decoder()
         self.unembed = self.model.get_output_embeddings()
@@ -242,31 +244,43 @@ class ModelHost:
         lengths = [len(ex.tokens) for ex in examples]
         width = max(lengths)
         pad = self.tokenizer.pad_token_id or 0
-        input_ids = torch.tensor([ex.tokens + [pad] * (width - len(ex.tokens)) for ex in examples])
+        dev = self.device
+        input_ids = torch.tensor(
+            [ex.tokens + [pad] * (width - len(ex.tokens)) for ex in examples], device=dev
+        )  # (B, T)
         row_adapters = [jobs[j].adapter_id for j, _ in micro]
-        with self.routing.use(lora.segments(row_adapters)):
+        with self.routing.use(lora.segments(row_adapters, dev)):
             hidden = self.trunk(input_ids=input_ids).last_hidden_state  # (B, T, H)
         # real tokens only, flattened: (N, H)
-        real = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]  # (B, T)
+        real = torch.arange(width, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
         token_adapters = [a for a, n in zip(row_adapters, lengths) for _ in range(n)]
-        targets = torch.tensor([t for ex in examples for t in ex.inputs["target_tokens"]])
+        targets = torch.tensor(
+            [t for ex in examples for t in ex.inputs["target_tokens"]], dtype=torch.long, device=dev
+        )  # (N,)
         logp = self.token_logprobs(hidden[real], targets, token_adapters)  # (N,)
 
-        results = {}
+        losses, metrics = [], []
         total = logp.new_zeros(())
         offset = 0
-        for (j, i), ex, n in zip(micro, examples, lengths):
+        for (j, _), ex, n in zip(micro, examples, lengths):
             job = jobs[j]
-            inputs = _loss_inputs(ex, n)
+            inputs = _loss_inputs(ex, n, dev)
             loss, token_metrics = LOSSES[job.loss_fn].fn(
                 logp[offset : offset + n], inputs, job.loss_fn_config
             )
             total = total + loss.sum()
-            results[(j, i)] = (logp[offset : offset + n].detach(), loss.detach(), token_metrics)
+            losses.append(loss.detach())
+            metrics.append(token_metrics)
             offset += n
         if backward and total.requires_grad:
             total.backward()
-        return results
+        # Results leave the device here, in one copy per tensor kind (no-ops on the CPU).
+        logp_cpu = logp.detach().cpu().split(lengths)
+        loss_cpu = torch.cat(losses).cpu().split(lengths)
+        return {
+            key: (lp, loss, {k: v.detach().cpu() for k, v in m.items()})
+            for key, lp, loss, m in zip(micro, logp_cpu, loss_cpu, metrics)
+        }
 
     def token_logprobs(
         self, hidden: torch.Tensor, targets: torch.Tensor, token_adapters: list[str | None]
@@ -275,7 +289,7 @@ class ModelHost:
 
         Shared by trainer and sampler so both compute logprobs with the same numerics.
         """
-        with self.routing.use(lora.segments(token_adapters)):
+        with self.routing.use(lora.segments(token_adapters, hidden.device)):
             logits = self.unembed(hidden).float()  # (N, V)
         return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
 
@@ -345,7 +359,7 @@ class ModelHost:
             )
 
     def load_state(self, adapter_id: str, folder: str, with_optimizer: bool) -> None:
-        """Create (or replace) ``adapter_id`` from a saved training state."""
+        """Create (or replace) ``adapter_id`` from a saved training state (saved on any device)."""
         state = checkpoint.load_training_state(folder, with_optimizer)
         if state.base_model != self.model_name:
             raise InvalidInputError(
@@ -361,7 +375,7 @@ class ModelHost:
                 for name, tensor in state.weights.items():
                     params[name].copy_(tensor)
             if state.optim is not None:
-                self.adapters[adapter_id].optim = state.optim
+                self.adapters[adapter_id].optim = state.optim.to(self.device)
 
     def offload(self, adapter_id: str, folder: str) -> None:
         """Move an adapter, its optimizer state and pending grads to disk, freeing memory."""
@@ -403,6 +417,7 @@ class ModelHost:
             "vocab_size": self.vocab_size,
             "max_seq_len": self.max_seq_len,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
             "num_adapters": len(self.adapters),
         }
 
@@ -438,7 +453,8 @@ def split_by_length(lengths: list[int], budget: int) -> list[int]:
     return ends[::-1]
 
 
-def _loss_inputs(ex: Example, n: int) -> dict[str, torch.Tensor]:
-    inputs = {k: torch.tensor(v, dtype=torch.float32) for k, v in ex.inputs.items()}
-    inputs.setdefault("weights", torch.ones(n))
+def _loss_inputs(ex: Example, n: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A datum's loss_fn_inputs as fp32 tensors (N,) on ``device``; weights default to 1."""
+    inputs = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in ex.inputs.items()}
+    inputs.setdefault("weights", torch.ones(n, device=device))
     return inputs

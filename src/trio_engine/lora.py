@@ -12,7 +12,8 @@ users' adapters (one forward pass for many ``forward_backward`` calls); each row
 result equals a run of its adapter alone.
 
 The LoRA parameters are kept in fp32 (they are the optimizer's master weights) and cast
-to the activations' dtype in forward.
+to the activations' dtype in forward. They live on the base layer's device; their
+initial values are drawn on the CPU, so a seed gives the same adapter on every device.
 """
 
 from __future__ import annotations
@@ -103,11 +104,13 @@ class LoRALinear(nn.Module):
 
     def add(self, adapter_id: str, rank: int, scale: float, gen: torch.Generator) -> None:
         out_f, in_f = self.base.weight.shape
+        device = self.base.weight.device
         # A as PEFT's default (kaiming-uniform, a=sqrt(5)) -> U(-1/sqrt(in), 1/sqrt(in)); B = 0.
+        # Drawn by the CPU generator ``gen`` then moved: the same seed, the same A anywhere.
         bound = 1.0 / math.sqrt(in_f)
         a = (torch.rand(rank, in_f, generator=gen) * 2 - 1) * bound
-        self.lora_A[adapter_id] = a.requires_grad_(True)
-        self.lora_B[adapter_id] = torch.zeros(out_f, rank, requires_grad=True)
+        self.lora_A[adapter_id] = a.to(device).requires_grad_(True)
+        self.lora_B[adapter_id] = torch.zeros(out_f, rank, device=device, requires_grad=True)
         self.scales[adapter_id] = scale
 
     def _as(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,6 +143,7 @@ class LoRALinear(nn.Module):
             if rows is None:
                 out = _add_low_rank(out, x, a, b, scale)
             else:
+                rows = rows.to(x.device)  # no-op when built on the device, as the host does
                 delta = _add_low_rank(torch.zeros_like(out[rows]), x[rows], a, b, scale)  # (rows, T, out)
                 out = out.index_add(0, rows, delta)
         return out
@@ -171,8 +175,12 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
 
 
 def add_adapter(model: nn.Module, adapter_id: str, config: LoraConfig) -> None:
-    """Create adapter weights in every targeted layer, deterministically from the seed."""
-    gen = torch.Generator().manual_seed(config.seed)
+    """Create adapter weights in every targeted layer, deterministically from the seed.
+
+    The weights go on each layer's device; the generator stays on the CPU on purpose
+    (device-independent initialisation).
+    """
+    gen = torch.Generator(device="cpu").manual_seed(config.seed)
     targets = config.targets()
     for name, module in lora_modules(model):
         if name.rsplit(".", 1)[-1] in targets:
@@ -194,12 +202,17 @@ def adapter_tensors(model: nn.Module, adapter_id: str) -> dict[str, torch.Tensor
     return tensors
 
 
-def segments(row_adapters: Sequence[str | None]) -> list[tuple[str, torch.Tensor | None]]:
-    """Group rows by adapter: [(adapter_id, row indices, or None when it has all rows)]."""
+def segments(
+    row_adapters: Sequence[str | None], device: torch.device | str | None = None
+) -> list[tuple[str, torch.Tensor | None]]:
+    """Group rows by adapter: [(adapter_id, row indices, or None when it has all rows)].
+
+    The row indices are built on ``device`` (the activations' device; default CPU).
+    """
     groups: dict[str, list[int]] = {}
     for row, adapter_id in enumerate(row_adapters):
         if adapter_id is not None:
             groups.setdefault(adapter_id, []).append(row)
     if len(groups) == 1 and len(next(iter(groups.values()))) == len(row_adapters):
         return [(next(iter(groups)), None)]
-    return [(a, torch.tensor(rows)) for a, rows in groups.items()]
+    return [(a, torch.tensor(rows, device=device)) for a, rows in groups.items()]

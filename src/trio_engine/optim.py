@@ -7,6 +7,7 @@ Same update as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected mom
     p <- p - lr/(1-b1^t) · m / (sqrt(v/(1-b2^t)) + eps)
 
 State is per adapter, so weight decay and moments never touch another user's weights.
+The moments live on their parameters' device (``zeros_like``).
 Hyper-parameters arrive with every step (schedules live in the user's loop).
 Optional global-norm gradient clipping as ``torch.nn.utils.clip_grad_norm_``.
 """
@@ -50,6 +51,14 @@ class AdamState:
     step: int = 0
     exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)
     exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def to(self, device: torch.device | str) -> AdamState:
+        """The same state with its moments on ``device`` (checkpoints load on the CPU)."""
+        return AdamState(
+            self.step,
+            {k: v.to(device) for k, v in self.exp_avg.items()},
+            {k: v.to(device) for k, v in self.exp_avg_sq.items()},
+        )
 
 
 def adamw_step(params: dict[str, torch.Tensor], state: AdamState, cfg: AdamConfig) -> dict:

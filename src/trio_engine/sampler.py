@@ -6,9 +6,14 @@
 
 Sampling is a pure chain over fp32 logits (temperature -> top-k -> top-p -> draw) with
 one seeded ``torch.Generator`` per request, so a seed gives the same output whatever
-else shares the batch. The logprob returned for a token is log p(token) under the
-model (temperature 1), computed by ``ModelHost.token_logprobs`` exactly as the trainer
-computes it, so importance ratios start at 1.
+else shares the batch (on one kind of device: CPU and CUDA generators draw different
+streams). The logprob returned for a token is log p(token) under the model
+(temperature 1), from the same unembedding + fp32 log-softmax as the trainer's
+``ModelHost.token_logprobs``, so importance ratios start at 1.
+
+The sampler needs only a few things of a host, named by the ``SamplingHost`` protocol
+(``ModelHost`` satisfies it), so this module does not import the host. Every tensor is
+made on ``host.device``; results are Python lists.
 """
 
 from __future__ import annotations
@@ -17,15 +22,39 @@ import inspect
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
 
 from . import lora
+from .errors import InvalidInputError
 
-if TYPE_CHECKING:
-    from .host import ModelHost
+
+class SamplingHost(Protocol):
+    """What the sampler uses of a model host."""
+
+    @property
+    def model(self) -> Any: ...  # the causal LM; its ``generation_config`` names EOS tokens
+
+    @property
+    def trunk(self) -> Any: ...  # the decoder: input ids -> hidden states (B, T, H), KV cache
+
+    @property
+    def unembed(self) -> Any: ...  # hidden (N, H) -> logits (N, V), LoRA-wrapped
+
+    @property
+    def routing(self) -> lora.Routing: ...  # which rows use which adapter
+
+    @property
+    def tokenizer(self) -> Any: ...  # pad/eos ids and decode
+
+    @property
+    def device(self) -> torch.device: ...  # where every tensor is made
+
+    def compute_logprobs(self, adapter_id: str | None, tokens: list[int]) -> list[float | None]:
+        """Trainer logprobs of a prompt (for ``prompt_logprobs``)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -64,8 +93,7 @@ class SampleResult:
 
 
 def validate_request(req: SampleRequest, k: int, vocab_size: int, max_seq_len: int) -> None:
-    from .host import InvalidInputError
-
+    """Raise InvalidInputError naming request ``k``, the field and the value; pure."""
     c = req.config
     checks = [
         ("prompt", len(req.prompt) > 0, len(req.prompt), "must not be empty"),
@@ -102,15 +130,17 @@ class _Row:
     stop_reason: str = ""
 
 
-def generate(host: ModelHost, requests: list[SampleRequest]) -> list[SampleResult]:
+def generate(host: SamplingHost, requests: list[SampleRequest]) -> list[SampleResult]:
+    """Sample every request's ``num_samples`` sequences; requests must be validated."""
+    dev = host.device
     cache = DynamicCache()
     hidden, mask = _prefill(host, requests, cache)  # (P, H) last prompt position, (P, L)
     prompt_lp = [host.compute_logprobs(r.adapter_id, r.prompt) if r.prompt_logprobs else None for r in requests]
     rows = [_Row(k) for k, r in enumerate(requests) for _ in range(r.num_samples)]
-    index = torch.tensor([row.request for row in rows])
+    index = torch.tensor([row.request for row in rows], device=dev)  # (R,)
     cache.batch_select_indices(index)  # share each prompt's prefill across its samples
     hidden, mask = hidden[index], mask[index]
-    gens = [_generator(r.config.seed) for r in requests]
+    gens = [_generator(r.config.seed, dev) for r in requests]
     eos = _eos_ids(host)
 
     live = list(range(len(rows)))
@@ -118,24 +148,26 @@ def generate(host: ModelHost, requests: list[SampleRequest]) -> list[SampleResul
     while live:
         logits = _logits(host, hidden, adapters)  # (R, V) fp32
         tokens = _draw(logits, [rows[i] for i in live], requests, gens)  # (R,)
-        logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+        logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]  # (R,)
+        # one device -> host copy per step, not one per row
+        new_tokens, new_logp = tokens.tolist(), logp.tolist()
         keep = []
         for j, i in enumerate(live):
             row = rows[i]
-            row.tokens.append(int(tokens[j]))
-            row.logprobs.append(float(logp[j]))
+            row.tokens.append(new_tokens[j])
+            row.logprobs.append(new_logp[j])
             row.stop_reason = _stop_reason(host, row, requests[row.request].config, eos)
             if not row.stop_reason:
                 keep.append(j)
         if not keep:
             break
         if len(keep) < len(live):
-            sel = torch.tensor(keep)
+            sel = torch.tensor(keep, device=dev)
             cache.batch_select_indices(sel)
             mask, tokens = mask[sel], tokens[sel]
             live = [live[j] for j in keep]
             adapters = [adapters[j] for j in keep]
-        mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype)], dim=1)
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
         hidden = _decode(host, tokens, mask, cache, adapters)
 
     results = [SampleResult([], lp) for lp in prompt_lp]
@@ -145,27 +177,30 @@ def generate(host: ModelHost, requests: list[SampleRequest]) -> list[SampleResul
     return results
 
 
-def _prefill(host: ModelHost, requests: list[SampleRequest], cache: DynamicCache):
+def _prefill(host: SamplingHost, requests: list[SampleRequest], cache: DynamicCache):
     """Left-padded prompts -> hidden state of each prompt's last token (P, H), mask (P, L)."""
     width = max(len(r.prompt) for r in requests)
     pad = host.tokenizer.pad_token_id or 0
-    ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in requests])
-    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in requests])
+    dev = host.device
+    ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in requests], device=dev)
+    mask = torch.tensor(
+        [[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in requests], device=dev
+    )  # (P, L)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with host.routing.use(lora.segments([r.adapter_id for r in requests])):
+    with host.routing.use(lora.segments([r.adapter_id for r in requests], dev)):
         out = _trunk(host, ids, mask, positions, cache)
     return out.last_hidden_state[:, -1], mask
 
 
-def _decode(host: ModelHost, tokens: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, adapters):
+def _decode(host: SamplingHost, tokens: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, adapters):
     """One step for every live row: (R,) new tokens -> (R, H) hidden states."""
     positions = (mask.sum(-1, keepdim=True) - 1)  # (R, 1)
-    with host.routing.use(lora.segments(adapters)):
+    with host.routing.use(lora.segments(adapters, host.device)):
         out = _trunk(host, tokens[:, None], mask, positions, cache)
     return out.last_hidden_state[:, -1]
 
 
-def _trunk(host: ModelHost, ids, mask, positions, cache: DynamicCache):
+def _trunk(host: SamplingHost, ids, mask, positions, cache: DynamicCache):
     # transformers 5 renamed past_key_values to cache; accept both generations
     key = "cache" if "cache" in inspect.signature(host.trunk.forward).parameters else "past_key_values"
     kwargs = {key: cache}
@@ -176,19 +211,19 @@ def _trunk(host: ModelHost, ids, mask, positions, cache: DynamicCache):
     )
 
 
-def _logits(host: ModelHost, hidden: torch.Tensor, adapters) -> torch.Tensor:
-    with host.routing.use(lora.segments(adapters)):
+def _logits(host: SamplingHost, hidden: torch.Tensor, adapters) -> torch.Tensor:
+    with host.routing.use(lora.segments(adapters, hidden.device)):
         return host.unembed(hidden).float()  # (R, V)
 
 
 def _draw(logits: torch.Tensor, rows: list[_Row], requests: list[SampleRequest], gens) -> torch.Tensor:
     """Sample one token per row, rows of a request drawing from that request's generator."""
-    out = torch.empty(len(rows), dtype=torch.long)
+    out = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     by_request: dict[int, list[int]] = {}
     for j, row in enumerate(rows):
         by_request.setdefault(row.request, []).append(j)
     for k, js in by_request.items():
-        idx = torch.tensor(js)
+        idx = torch.tensor(js, device=logits.device)
         out[idx] = sample_tokens(logits[idx], requests[k].config, gens[k])
     return out
 
@@ -217,15 +252,16 @@ def _inverse_cdf(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     Cheaper than torch.multinomial, which draws V exponentials per row.
     """
     cdf = probs.cumsum(-1)  # (R, V)
-    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=cdf.dtype) * cdf[:, -1:]
+    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
-def _generator(seed: int | None) -> torch.Generator:
-    return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+def _generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A generator on the sampling device (torch draws only from a same-device generator)."""
+    return torch.Generator(device=device).manual_seed(secrets.randbits(63) if seed is None else seed)
 
 
-def _eos_ids(host: ModelHost) -> set[int]:
+def _eos_ids(host: SamplingHost) -> set[int]:
     eos = host.model.generation_config.eos_token_id if host.model.generation_config else None
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if host.tokenizer.eos_token_id is not None:
@@ -233,7 +269,7 @@ def _eos_ids(host: ModelHost) -> set[int]:
     return ids
 
 
-def _stop_reason(host: ModelHost, row: _Row, c: SamplingConfig, eos: set[int]) -> str:
+def _stop_reason(host: SamplingHost, row: _Row, c: SamplingConfig, eos: set[int]) -> str:
     last = row.tokens[-1]
     if (last in eos and not c.ignore_eos) or last in c.stop_token_ids:
         return "stop"

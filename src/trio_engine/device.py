@@ -1,0 +1,97 @@
+"""Where a host computes (``auto | cpu | cuda | cuda:N``) and in which dtype.
+
+A host lives on one device: base weights, LoRA A/B, AdamW moments, KV cache and every
+index tensor. What leaves the host (results, checkpoints) is device-free, so a run
+saved on a GPU resumes on a CPU and vice versa.
+
+Precedence for both choices: the explicit argument, then ``$TRIO_DEVICE`` /
+``$TRIO_DTYPE``, then the default (``auto``: CUDA when present, else the CPU; dtype:
+bfloat16 on CUDA, float32 on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_CUDA = re.compile(r"cuda(?::(\d+))?")
+
+
+def resolve_device(spec: str | torch.device | None = None) -> torch.device:
+    """The torch device a spec names.
+
+    Args:
+        spec: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (or a torch.device);
+            None reads ``$TRIO_DEVICE``, then defaults to ``"auto"``.
+
+    Returns:
+        ``auto`` -> ``cuda:<current>`` when CUDA is available, else ``cpu``. ``cuda``
+        gets its index filled in, so it compares equal to its tensors' ``.device``.
+
+    Raises:
+        ValueError: an unknown spec, CUDA requested where there is none, or an index
+            beyond the visible GPUs; the message names the value.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+    """
+    where = "device"
+    if spec is None:
+        spec = os.environ.get("TRIO_DEVICE") or "auto"
+        where = "device ($TRIO_DEVICE)" if os.environ.get("TRIO_DEVICE") else where
+    text = str(spec).strip().lower()
+    if text == "auto":
+        text = "cuda" if torch.cuda.is_available() else "cpu"
+    if text == "cpu":
+        return torch.device("cpu")
+    match = _CUDA.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{where}: unknown device {spec!r}; expected auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{where}: {spec!r} requested but CUDA is not available on this machine "
+            f"(torch {torch.__version__}); use 'cpu' or 'auto'"
+        )
+    index = int(match.group(1)) if match.group(1) is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"{where}: {spec!r} requested but only {torch.cuda.device_count()} CUDA device(s) "
+            "are visible"
+        )
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """The base weights' compute dtype: ``dtype``, else ``$TRIO_DTYPE``, else the device's default.
+
+    The default is float32 on the CPU (exact numerics: sampler and trainer agree) and bfloat16 on CUDA
+    (float32 on a GPU without native bf16, where it would be emulated).
+
+    Raises:
+        ValueError: a dtype name outside ``DTYPES``.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    where = "dtype"
+    if not dtype:
+        dtype = os.environ.get("TRIO_DTYPE") or None
+        where = "dtype ($TRIO_DTYPE)"
+    if dtype is None:
+        return default_dtype(device)
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"{where}: unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}") from None
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a device computes in when nothing asks otherwise."""
+    if device.type == "cuda":
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if bf16 else torch.float32
+    return torch.float32
