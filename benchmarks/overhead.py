@@ -37,7 +37,7 @@ TINY = "trio/tiny-llama"
 
 
 def start_server(data_dir: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pytrio.cli", "serve", "--port", str(port), "--data-dir", str(data_dir), "--no-auth"]
+    cmd = [sys.executable, "-m", "trio_server.cli", "serve", "--port", str(port), "--data-dir", str(data_dir), "--no-auth"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(300):
         try:

@@ -6,8 +6,10 @@ training, real sampling, through the embedded default ``ServiceClient()``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -31,10 +33,7 @@ def run_example(name: str, tmp_path, **env) -> str:
     return out.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["sft.py", "sft_async.py"])
-def test_sft_example_learns_about_trio(name, tmp_path):
-    out = run_example(name, tmp_path)
+def check_learns_about_trio(out: str) -> None:
     losses = [float(x) for x in re.findall(r"Loss per token: ([\d.]+)", out)]
     assert len(losses) == 15 and losses[-1] < losses[0] * 0.8, out
     base = out.split("Base Responses:")[1].split("SFT Responses:")[0]
@@ -42,19 +41,52 @@ def test_sft_example_learns_about_trio(name, tmp_path):
     assert "trio" in sft.lower() and "trio" not in base.lower(), out
 
 
-@pytest.mark.slow
-def test_sft_example_runs_unchanged_against_trio_serve(tmp_path):
-    from .sdk.conftest import ServeProcess, free_port
+def forward_backward_logprobs(db: Path) -> list[list[float]]:
+    """Every forward_backward result a service stored, in order: per step, all tokens."""
+    rows = sqlite3.connect(db).execute(
+        "select result from requests where op = 'forward_backward' and status = 'done' order by seq").fetchall()
+    return [[lp for out in json.loads(r[0])["loss_fn_outputs"] for lp in out["logprobs"]["data"]] for r in rows]
 
-    server = ServeProcess(tmp_path, free_port())
+
+@pytest.fixture(scope="module")
+def sft_embedded(tmp_path_factory):
+    """examples/sft.py through the embedded default: (its output, its data dir)."""
+    home = tmp_path_factory.mktemp("sft-embedded")
+    return run_example("sft.py", home), home / "embedded"
+
+
+@pytest.mark.slow
+def test_sft_example_learns_about_trio(sft_embedded):
+    check_learns_about_trio(sft_embedded[0])
+
+
+@pytest.mark.slow
+def test_sft_async_example_learns_about_trio(tmp_path):
+    check_learns_about_trio(run_example("sft_async.py", tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_sft_example_over_http_matches_in_process(engine, sft_embedded, tmp_path):
+    """The unchanged program against ``trio serve --engine ENGINE``: the same per-step
+    numbers as in-process (fp32), read from what each service stored."""
+    from .sdk.conftest import ServeProcess
+
+    server = ServeProcess(tmp_path, "--engine", engine, "--dtype", "float32")
     key = server.create_key()
     server.start()
     try:
         out = run_example("sft.py", tmp_path / "client", PYTRIO_BASE_URL=server.url, PYTRIO_API_KEY=key)
     finally:
-        server.proc.terminate()
-        server.proc.wait(30)
-    assert "trio" in out.split("SFT Responses:")[1].lower(), out
+        server.stop()
+    check_learns_about_trio(out)
+    over_http = forward_backward_logprobs(tmp_path / "trio.db")
+    in_process = forward_backward_logprobs(sft_embedded[1] / "trio.db")
+    assert len(over_http) == len(in_process) == 15
+    for step, (got, want) in enumerate(zip(over_http, in_process)):
+        assert got == pytest.approx(want, abs=1e-5), f"step {step + 1}"
+    if engine == "ray":
+        assert "engine ray" in "".join(p.read_text() for p in tmp_path.glob("serve-*.log"))
 
 
 @pytest.mark.slow

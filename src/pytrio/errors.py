@@ -10,11 +10,17 @@
     └── TimeoutError           no answer in time
 
 Every error carries the ``request_id`` of the operation it belongs to, when known.
+Client-side request validation also maps here (``validated``), so a bad argument
+raises ``ValidationError`` at call time, before anything is sent.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
+
+import pydantic
+
+_M = TypeVar("_M", bound=pydantic.BaseModel)
 
 
 class TrioError(Exception):
@@ -80,3 +86,11 @@ def describe_validation_error(exc: Any) -> str:
         shown = type(value).__name__ if isinstance(value, dict | list) else repr(value)
         parts.append(f"{loc}: {err['msg']} (got {shown[:80]})")
     return "; ".join(parts)
+
+
+def validated(model: type[_M], **fields: Any) -> _M:
+    """Build a request, turning a pydantic error into a ValidationError at call time."""
+    try:
+        return model(**fields)
+    except pydantic.ValidationError as exc:
+        raise ValidationError(describe_validation_error(exc)) from None

@@ -1,13 +1,18 @@
-"""SamplingClient: generate from a base model or from saved sampler weights."""
+"""SamplingClient: generate from a base model or from saved sampler weights.
+
+``new_sampling_client`` lives here, below both ServiceClient and TrainingClient, which
+each create samplers, so the SDK's modules import one way only:
+service -> training -> sampling -> session -> transport, futures, errors, types.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from . import types as t
+from .errors import validated
 from .futures import APIFuture, async_twin, run_sync, schedule
 from .session import Session
-from .training import _validated
 
 
 class SamplingClient:
@@ -43,7 +48,7 @@ class SamplingClient:
         (``"stop"`` or ``"length"``). With ``include_prompt_logprobs`` the response also has
         ``prompt_logprobs`` (None for the first token).
         """
-        request = _validated(
+        request = validated(
             t.SampleRequest, sampler_id=self.sampler_id, prompt=prompt, num_samples=num_samples,
             sampling_params=sampling_params or t.SamplingParams(), include_prompt_logprobs=include_prompt_logprobs,
         )
@@ -51,7 +56,7 @@ class SamplingClient:
 
     def compute_logprobs(self, prompt: t.ModelInput) -> APIFuture[list[float | None]]:
         """log p(token_t | tokens_<t) for every prompt token; None for the first."""
-        request = _validated(t.ComputeLogprobsRequest, sampler_id=self.sampler_id, prompt=prompt)
+        request = validated(t.ComputeLogprobsRequest, sampler_id=self.sampler_id, prompt=prompt)
         return schedule(self._logprobs(request))
 
     async def _logprobs(self, request: t.ComputeLogprobsRequest) -> list[float | None]:
@@ -66,3 +71,10 @@ class SamplingClient:
     def get_tokenizer(self) -> Any:
         """The base model's Hugging Face tokenizer (files come from the service)."""
         return run_sync(self.get_tokenizer_async())
+
+
+async def new_sampling_client(session: Session, base_model: str | None = None, model_path: str | None = None) -> SamplingClient:
+    """Create a sampler on the service (a base model, or saved weights) and wrap it in a client."""
+    request = validated(t.CreateSamplerRequest, base_model=base_model, model_path=model_path)
+    created = await session.call("create_sampler", request, t.CreateSamplerResponse)
+    return SamplingClient(session, created.sampler_id, created.base_model, created.model_path)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 
 from . import types as t
-from .futures import sync_twin
+from .errors import validated
+from .futures import on_background, sync_twin
 from .rest import RestClient
-from .sampling import SamplingClient
+from .sampling import SamplingClient, new_sampling_client
 from .session import Session
-from .training import TrainingClient, _validated
+from .training import TrainingClient
 from .transport import Transport
 
 
@@ -56,8 +57,8 @@ class ServiceClient:
         Raises:
             ValidationError: unknown model (the message lists the available ones), bad rank.
         """
-        lora = _validated(t.LoraConfig, rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn,
-                          train_unembed=train_unembed)
+        lora = validated(t.LoraConfig, rank=rank, seed=seed, train_mlp=train_mlp, train_attn=train_attn,
+                         train_unembed=train_unembed)
         request = t.CreateModelRequest(base_model=base_model, lora_config=lora)
         created = await self._session.call("create_model", request, t.CreateModelResponse)
         return TrainingClient(self._session, created.model_id, created.base_model)
@@ -83,8 +84,6 @@ class ServiceClient:
 
     async def get_server_capabilities_async(self) -> t.ServerCapabilities:
         """Supported models and request limits."""
-        from .futures import on_background
-
         return await on_background(self._session.transport.capabilities())
 
     create_lora_training_client = sync_twin(create_lora_training_client_async)
@@ -106,9 +105,3 @@ def _default_transport(base_url: str | None, api_key: str | None, timeout: float
     from .transport.local import LocalTransport
 
     return LocalTransport()
-
-
-async def new_sampling_client(session: Session, base_model: str | None = None, model_path: str | None = None) -> SamplingClient:
-    request = _validated(t.CreateSamplerRequest, base_model=base_model, model_path=model_path)
-    created = await session.call("create_sampler", request, t.CreateSamplerResponse)
-    return SamplingClient(session, created.sampler_id, created.base_model, created.model_path)

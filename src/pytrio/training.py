@@ -11,17 +11,13 @@ import itertools
 import secrets
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
-
-import pydantic
+from typing import Any
 
 from . import types as t
-from .errors import ValidationError, describe_validation_error
+from .errors import validated
 from .futures import APIFuture, async_twin, run_sync, schedule, sync_twin
+from .sampling import SamplingClient, new_sampling_client
 from .session import Session
-
-if TYPE_CHECKING:
-    from .sampling import SamplingClient
 
 CustomLossFn = Callable[[list[t.Datum], list[Any]], tuple[Any, dict[str, float]]]
 
@@ -48,7 +44,7 @@ class TrainingClient:
     # -- ordered operations ------------------------------------------------------------
 
     def _submit(self, op: str, request_type: type[Any], result_type: type[Any], **fields: Any) -> APIFuture:
-        request = _validated(request_type, model_id=self.model_id, seq=0, **fields)
+        request = validated(request_type, model_id=self.model_id, seq=0, **fields)
         request.seq = self._next_seq()  # only a valid request takes a sequence number
         return schedule(self._session.call(op, request, result_type))
 
@@ -95,7 +91,7 @@ class TrainingClient:
             t.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
             for d in data
         ]
-        forward = _validated(t.ForwardRequest, model_id=self.model_id, seq=self._next_seq(), data=targets_only)
+        forward = validated(t.ForwardRequest, model_id=self.model_id, seq=self._next_seq(), data=targets_only)
         backward_seq = self._next_seq()  # reserved now, so later calls queue behind it
         return schedule(self._custom(data, loss_fn, forward, backward_seq))
 
@@ -152,8 +148,6 @@ class TrainingClient:
 
     async def create_sampling_client_async(self, model_path: str) -> SamplingClient:
         """A sampler over saved sampler weights (any ``trio://`` path you own)."""
-        from .service import new_sampling_client
-
         return await new_sampling_client(self._session, model_path=model_path)
 
     async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
@@ -174,12 +168,4 @@ class TrainingClient:
     def get_tokenizer(self) -> Any:
         """The base model's Hugging Face tokenizer (files come from the service)."""
         return run_sync(self.get_tokenizer_async())
-
-
-def _validated(model: type[Any], **fields: Any) -> Any:
-    """Build a request, turning a pydantic error into a ValidationError at call time."""
-    try:
-        return model(**fields)
-    except pydantic.ValidationError as exc:
-        raise ValidationError(describe_validation_error(exc)) from None
 

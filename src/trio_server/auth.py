@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from .core import ServiceError
+from .errors import ServiceError
 from .store import Store
 
 ANONYMOUS = "anonymous"

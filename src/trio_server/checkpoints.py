@@ -11,6 +11,8 @@ import re
 import tarfile
 from pathlib import Path
 
+from .errors import ServiceError
+
 PATH = re.compile(r"^trio://(?P<run>run-[0-9a-f]+)/(?P<kind>weights|sampler_weights)/(?P<name>[A-Za-z0-9._-]{1,128})$")
 
 
@@ -18,9 +20,12 @@ def make_path(run_id: str, kind: str, name: str) -> str:
     return f"trio://{run_id}/{kind}/{name}"
 
 
-def parse_path(path: str) -> tuple[str, str, str]:
-    from .core import ServiceError
+def folder(data_dir: Path, run_id: str, kind: str, name: str) -> Path:
+    """Where a checkpoint lives on disk."""
+    return data_dir / "checkpoints" / run_id / kind / name
 
+
+def parse_path(path: str) -> tuple[str, str, str]:
     match = PATH.match(path or "")
     if not match:
         raise ServiceError(

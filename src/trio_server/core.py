@@ -20,7 +20,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,18 +32,21 @@ from pytrio import types as t
 from pytrio.errors import describe_validation_error
 
 from . import checkpoints as ckpt
-from .scheduler import WorkItem, next_batch, stalled_runs
+from .engine import Engine, EngineSettings, LocalEngine
+from .errors import RESTART_MESSAGE, ServiceError, not_found
+from .handlers import Context
+from .scheduler import WorkItem
 from .store import Store, dumps, now
 from .store import checkpoints as checkpoints_table
 from .store import requests as requests_table
 from .store import runs as runs_table
 from .store import samplers as samplers_table
+from .worker import HostWorker, Sequencing
 
 log = logging.getLogger("trio.server")
 
 KEEP_FINISHED_SECONDS = 600.0
 KEEP_FINISHED_MAX = 10_000
-RESTART_MESSAGE = "the server restarted while this request was in flight; submit it again"
 
 
 @dataclass(frozen=True)
@@ -57,18 +60,6 @@ class Limits:
     max_samples_per_request: int = 256
     max_sampler_adapters: int = 16  # LRU of loaded sampler weights per host
     seq_gap_seconds: float = 30.0  # how long a run's later requests wait for a missing one
-
-
-class ServiceError(Exception):
-    """An error for the client: a category (see pytrio.errors) and an HTTP status."""
-
-    def __init__(self, category: str, message: str, status: int = 400):
-        super().__init__(message)
-        self.category, self.message, self.status = category, message, status
-
-
-def not_found(what: str) -> ServiceError:
-    return ServiceError("not_found", f"{what} not found", 404)
 
 
 @dataclass
@@ -100,16 +91,38 @@ class ServiceCore:
         dtype: str | None = None,
         limits: Limits = Limits(),
         idle_offload_seconds: float = 600.0,
+        engine: str = "local",
+        device: str | None = None,
+        ray_address: str | None = None,
+        ray_placement: dict[str, str] | None = None,
     ):
+        """Args:
+            data_dir: database (SQLite by default), checkpoints, run snapshots.
+            db_url: a SQLAlchemy URL instead of SQLite in the data dir.
+            catalog: model names -> sources (default ``trio_engine.Catalog()``).
+            dtype, device: of every model host (None: see ``trio_engine.ModelHost``).
+            engine: ``local`` (a thread per base model in this process) or ``ray``
+                (a Ray actor per base model; see ``ray_engine.py``).
+            ray_address: join this Ray cluster (None: start a local Ray instance).
+            ray_placement: base model -> a Ray custom resource its actor needs.
+        """
         from trio_engine import Catalog
 
-        self.data_dir = Path(data_dir)
+        self.data_dir = Path(data_dir).absolute()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(db_url or f"sqlite:///{self.data_dir / 'trio.db'}")
         self.catalog = catalog or Catalog()
-        self.dtype = dtype
         self.limits = limits
         self.idle_offload_seconds = idle_offload_seconds
+        self.engine_settings = EngineSettings(
+            snapshot_dir=str(self.data_dir / "snapshots"), dtype=dtype, device=device, catalog=self.catalog,
+            max_sampler_adapters=limits.max_sampler_adapters,
+        )
+        self.engine_kind = engine
+        self.ray_address = ray_address
+        self.ray_placement = ray_placement or {}
+        if engine not in ("local", "ray"):
+            raise ValueError(f"engine: must be 'local' or 'ray', got {engine!r}")
         self.lock = threading.RLock()
         self.workers: dict[str, HostWorker] = {}
         self.futures: dict[str, concurrent.futures.Future[Outcome]] = {}
@@ -315,8 +328,19 @@ class ServiceCore:
     def _worker(self, base_model: str) -> HostWorker:
         with self.lock:
             if base_model not in self.workers:
-                self.workers[base_model] = HostWorker(self, base_model)
+                ctx = Context(base_model, self._new_engine(base_model), self.store, self.data_dir)
+                order = Sequencing(self.next_seq, self.lock, self.limits.seq_gap_seconds)
+                self.workers[base_model] = HostWorker(ctx, lambda item, r: self.resolve(item, *r), order,
+                                                      self.idle_offload_seconds)
             return self.workers[base_model]
+
+    def _new_engine(self, base_model: str) -> Engine:
+        if self.engine_kind == "ray":
+            from .ray_engine import RayEngine
+
+            return RayEngine(base_model, self.engine_settings, address=self.ray_address,
+                             resource=self.ray_placement.get(base_model))
+        return LocalEngine(base_model, self.engine_settings)
 
     def resolve(self, item: WorkItem, result: pydantic.BaseModel | None, error: ServiceError | None) -> None:
         """Store the outcome, advance the run's sequence, wake the waiters."""
@@ -350,7 +374,7 @@ class ServiceCore:
                     self.idempotency.pop((user_id or "", key), None)
 
     def checkpoint_dir(self, run_id: str, kind: str, name: str) -> Path:
-        return self.data_dir / "checkpoints" / run_id / kind / name
+        return ckpt.folder(self.data_dir, run_id, kind, name)
 
     # -- REST (synchronous reads) ------------------------------------------------------
 
@@ -365,7 +389,13 @@ class ServiceCore:
         self._check_model(base_model)
         folder = self.data_dir / "tokenizers" / base_model.replace("/", "--")
         if not (folder / "tokenizer_config.json").exists():
-            self._worker(base_model).host().tokenizer.save_pretrained(folder)
+            files = self._worker(base_model).engine.tokenizer_files()
+            tmp = folder.with_name(folder.name + f".tmp-{secrets.token_hex(4)}")
+            tmp.mkdir(parents=True)
+            for name, text in files.items():
+                (tmp / name).write_text(text)
+            shutil.rmtree(folder, ignore_errors=True)
+            tmp.rename(folder)
         files = {p.name: p.read_text() for p in folder.iterdir() if p.is_file()}
         return t.TokenizerFiles(base_model=base_model, files=files)
 
@@ -393,8 +423,11 @@ class ServiceCore:
 
     def delete_checkpoint(self, user_id: str, path: str) -> None:
         row = self._checkpoint(user_id, path)
-        shutil.rmtree(self.checkpoint_dir(row["run_id"], row["kind"], row["name"]), ignore_errors=True)
+        folder = self.checkpoint_dir(row["run_id"], row["kind"], row["name"])
+        shutil.rmtree(folder, ignore_errors=True)
         self.store.delete(checkpoints_table, path=path)
+        for worker in list(self.workers.values()):
+            worker.engine.release_weights(str(folder))
 
     def checkpoint_archive(self, user_id: str, path: str) -> Path:
         """A tar archive of the checkpoint folder (built once, then served with ranges)."""
@@ -405,120 +438,3 @@ class ServiceCore:
     def close(self) -> None:
         for worker in list(self.workers.values()):
             worker.stop()
-
-
-class HostWorker:
-    """One thread per base model: owns the ModelHost, runs what the scheduler picks."""
-
-    def __init__(self, core: ServiceCore, base_model: str):
-        self.core = core
-        self.base_model = base_model
-        self.pending: list[WorkItem] = []
-        self.running: set[str] = set()
-        self.cond = threading.Condition()
-        self._host: Any = None
-        self._host_lock = threading.Lock()
-        self._stopped = False
-        self.sampler_adapters: OrderedDict[str, str] = OrderedDict()  # checkpoint path -> adapter id
-        self.last_used: dict[str, float] = {}  # run id -> when a request last touched it
-        self.queued_at: dict[str, float] = {}  # request id -> when it was queued
-        self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{base_model}", daemon=True)
-        self.thread.start()
-
-    def host(self) -> Any:
-        """The ModelHost, loaded on first use (model loading can take seconds)."""
-        with self._host_lock:
-            if self._host is None:
-                from trio_engine import ModelHost
-
-                started = time.monotonic()
-                self._host = ModelHost(self.base_model, dtype=self.core.dtype, catalog=self.core.catalog)
-                log.info("loaded %s in %.1f s", self.base_model, time.monotonic() - started)
-            return self._host
-
-    def enqueue(self, item: WorkItem) -> None:
-        with self.cond:
-            self.queued_at[item.request_id] = time.monotonic()
-            self.pending.append(item)
-            self.cond.notify()
-
-    def snapshot(self) -> list[WorkItem]:
-        with self.cond:
-            return list(self.pending)
-
-    def position(self, request_id: str) -> int | None:
-        with self.cond:
-            if request_id in self.running:
-                return 0
-            ids = [i.request_id for i in sorted(self.pending, key=lambda i: i.arrival)]
-            return ids.index(request_id) + 1 if request_id in ids else None
-
-    def stop(self) -> None:
-        with self.cond:
-            self._stopped = True
-            self.cond.notify()
-
-    def _loop(self) -> None:
-        """schedule -> execute -> resolve; when idle, offload runs nobody is using."""
-        from .handlers import execute
-
-        while True:
-            with self.cond:
-                if self._stopped:
-                    return
-                batch = next_batch(self.pending, self.core.next_seq)
-                if not batch:
-                    self.cond.wait(timeout=1.0)
-                    batch = next_batch(self.pending, self.core.next_seq)
-                for item in batch:
-                    self.pending.remove(item)
-                    self.queued_at.pop(item.request_id, None)
-                    self.running.add(item.request_id)
-            if not batch:
-                self._skip_missing_seqs()
-                self._offload_idle()
-                continue
-            try:
-                execute(self, batch)
-            finally:
-                with self.cond:
-                    self.running.difference_update(i.request_id for i in batch)
-
-    # -- idle runs live on disk -----------------------------------------------------
-
-    def offload_dir(self, run_id: str) -> Path:
-        return self.core.data_dir / "offload" / run_id
-
-    def touch(self, run_id: str) -> None:
-        self.last_used[run_id] = time.monotonic()
-
-    def ensure_resident(self, run_id: str) -> None:
-        """Bring an offloaded run back (also after a restart) before its next request."""
-        host = self.host()
-        folder = self.offload_dir(run_id)
-        if run_id not in host.adapters and folder.exists():
-            host.restore(run_id, str(folder))
-            shutil.rmtree(folder)  # memory is the truth again; a stale copy must not be restored later
-            log.info("restored idle run %s from disk", run_id)
-        self.touch(run_id)
-
-    def _skip_missing_seqs(self) -> None:
-        with self.cond:
-            stalled = stalled_runs(self.pending, self.core.next_seq, self.queued_at, time.monotonic(),
-                                   self.core.limits.seq_gap_seconds)
-        for run_id, seq in stalled.items():
-            log.warning("run %s: requests %d..%d never arrived; continuing at %d",
-                        run_id, self.core.next_seq.get(run_id, 0), seq - 1, seq)
-            with self.core.lock:
-                self.core.next_seq[run_id] = seq
-
-    def _offload_idle(self) -> None:
-        if self._host is None:
-            return
-        cutoff = time.monotonic() - self.core.idle_offload_seconds
-        for run_id, used in list(self.last_used.items()):
-            if used < cutoff and run_id in self._host.adapters:
-                self._host.offload(run_id, str(self.offload_dir(run_id)))
-                del self.last_used[run_id]
-                log.info("offloaded idle run %s to disk", run_id)
-

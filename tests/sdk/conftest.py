@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -55,30 +56,52 @@ class ServerThread:
 
 
 class ServeProcess:
-    def __init__(self, data_dir, port):
-        self.data_dir, self.port = data_dir, port
-        self.url = f"http://127.0.0.1:{port}"
+    """``trio serve`` in a subprocess. The first start binds port 0 and reads the port the
+    process itself reports (with its pid), so the server answering is the one started;
+    a restart binds that same port again."""
+
+    def __init__(self, data_dir, *extra_args: str):
+        self.data_dir, self.extra_args = data_dir, list(extra_args)
+        self.port = 0
         self.proc: subprocess.Popen | None = None
 
-    def start(self):
-        cmd = [sys.executable, "-m", "pytrio.cli", "serve", "--port", str(self.port), "--data-dir", str(self.data_dir)]
-        self.log = open(self.data_dir / f"serve-{time.time()}.log", "w")
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120):
+        cmd = [sys.executable, "-m", "trio_server.cli", "serve", "--port", str(self.port),
+               "--data-dir", str(self.data_dir), *self.extra_args]
+        log_path = self.data_dir / f"serve-{time.time()}.log"
+        self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
+        listening = re.compile(rf"TRIO listening on http://127\.0\.0\.1:(\d+) \(pid {self.proc.pid}\)")
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/api/v1/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("trio serve did not come up")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"trio serve exited with {self.proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            match = listening.search(log_path.read_text())
+            if match:
+                self.port = int(match[1])
+                try:
+                    if httpx.get(self.url + "/api/v1/healthz", timeout=1).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.1)
+        raise RuntimeError(f"trio serve did not come up:\n{log_path.read_text()[-3000:]}")
 
     def kill(self):
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
     def create_key(self) -> str:
-        out = subprocess.run([sys.executable, "-m", "pytrio.cli", "keys", "create", "--name", "t",
+        out = subprocess.run([sys.executable, "-m", "trio_server.cli", "keys", "create", "--name", "t",
                               "--data-dir", str(self.data_dir)], capture_output=True, text=True, check=True)
         return out.stdout.strip()
 

@@ -7,6 +7,7 @@ import time
 import pytrio as trio
 from pytrio.transport.local import LocalTransport
 from trio_server.core import ServiceCore
+from trio_server.engine import snapshot_path
 
 MODEL = "trio/tiny-llama"
 
@@ -15,15 +16,16 @@ def test_forward_backward_of_different_runs_share_one_pass(tmp_path):
     core = ServiceCore(tmp_path, dtype="float32")
     svc = trio.ServiceClient(transport=LocalTransport(core))
     runs = [svc.create_lora_training_client(base_model=MODEL, rank=2, seed=k) for k in range(3)]
-    host = core.workers[MODEL].host()
+    engine = core.workers[MODEL].engine
+    host = engine.host
     calls: list[int] = []
-    real = host.forward_backward
+    real = engine.forward_backward
 
     def spy(jobs):
         calls.append(len(jobs))
         return real(jobs)
 
-    host.forward_backward = spy
+    engine.forward_backward = spy
     toks = list(range(1, 9))
     d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
     with host.lock:  # keep the worker busy so all three queue up
@@ -50,17 +52,16 @@ def test_idle_runs_move_to_disk_and_come_back_unchanged(tmp_path):
         tc.forward_backward([d]).result()  # pending grads, not yet applied
     worker = offloading.workers[MODEL]
     deadline = time.monotonic() + 10
-    while runs[0].model_id in worker.host().adapters and time.monotonic() < deadline:
+    while runs[0].model_id in worker.engine.host.adapters and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert runs[0].model_id not in worker.host().adapters  # offloaded
-    assert worker.offload_dir(runs[0].model_id).exists()
-    assert runs[1].model_id in resident.workers[MODEL].host().adapters
-    offloading.idle_offload_seconds = 600
+    assert runs[0].model_id not in worker.engine.host.adapters  # offloaded
+    assert snapshot_path(offloading.engine_settings.snapshot_dir, runs[0].model_id).exists()
+    assert runs[1].model_id in resident.workers[MODEL].engine.host.adapters
+    worker.idle_offload_seconds = 600
     for tc in runs:
         assert tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result().metrics["step"] == 2.0
     a, b = (tc.forward([d]).result().loss_fn_outputs[0]["logprobs"].tolist() for tc in runs)
     assert a == b  # weights, moments and pending grads all survived the trip
-    assert not worker.offload_dir(runs[0].model_id).exists()
     offloading.close()
     resident.close()
 

@@ -1,0 +1,131 @@
+"""The ``trio`` command: ``trio serve`` and ``trio keys create``.
+
+It lives in the service package, not the SDK: it starts the server, and the SDK never
+imports the server (only ``pytrio.transport.local`` does, to run it in-process).
+Flags exist only here; everything they set is a keyword argument of ``ServiceCore``.
+Heavy imports (uvicorn, the app, torch via the core) wait until a command runs, so
+``trio --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_ENGINES = ("local", "ray")
+
+
+def _data_dir(value: str | None) -> Path:
+    return Path(value or os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio")
+
+
+def device(value: str) -> str:
+    """argparse type for ``--device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    if not _DEVICE.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"invalid device {value!r}: expected auto, cpu, cuda or cuda:N (N = 0, 1, ...)")
+    return value
+
+
+def engine(value: str) -> str:
+    """argparse type for ``--engine``; unlike ``choices=`` it also checks a default taken from $TRIO_ENGINE."""
+    if value not in _ENGINES:
+        raise argparse.ArgumentTypeError(f"invalid engine {value!r}: expected one of {', '.join(_ENGINES)}")
+    return value
+
+
+def placement(value: str) -> tuple[str, str]:
+    """argparse type for ``--ray-place MODEL=RESOURCE``."""
+    model, sep, resource = value.rpartition("=")
+    if not sep or not model or not resource:
+        raise argparse.ArgumentTypeError(f"invalid placement {value!r}: expected MODEL=RESOURCE")
+    return model, resource
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from .app import create_app
+    from .core import Limits, ServiceCore
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    log = logging.getLogger("trio.server")
+    if args.no_auth:
+        log.warning("=" * 72)
+        log.warning("AUTHENTICATION IS OFF (--no-auth): anyone who reaches %s:%d acts as one", args.host, args.port)
+        log.warning("shared user. Use this for localhost development only.")
+        log.warning("=" * 72)
+    limits = Limits() if args.seq_gap_seconds is None else Limits(seq_gap_seconds=args.seq_gap_seconds)
+    core = ServiceCore(
+        _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits,
+        engine=args.engine, ray_address=args.ray_address, device=args.device,
+        ray_placement=dict(args.ray_place or []),
+    )
+    log.info("data dir %s, database %s, engine %s", core.data_dir,
+             core.store.engine.url.render_as_string(hide_password=True), args.engine)
+    # Bind here, so that --port 0 works: the line below tells which port the OS chose.
+    sock = socket.create_server((args.host, args.port))
+    host, port = sock.getsockname()[:2]
+    log.info("TRIO listening on http://%s:%d (pid %d)", host, port, os.getpid())
+    uvicorn.run(create_app(core, auth=not args.no_auth), fd=sock.fileno(), log_level="warning")
+
+
+def keys_create(args: argparse.Namespace) -> None:
+    from .store import Store
+
+    folder = _data_dir(args.data_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    store = Store(args.db or f"sqlite:///{folder / 'trio.db'}")
+    key = store.create_api_key(args.name)
+    print(key)
+    print(f"# key {args.name!r} created; it is shown only this once. Use: export PYTRIO_API_KEY={key}", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trio", description="TRIO post-training service")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the HTTP service")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--data-dir", help="checkpoints and database (default $TRIO_HOME or ~/.cache/trio)")
+    p.add_argument("--db", help="SQLAlchemy URL, e.g. postgresql://user@host/db (default SQLite in the data dir)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=os.environ.get("TRIO_DTYPE"))
+    p.add_argument("--engine", type=engine, choices=_ENGINES, default=os.environ.get("TRIO_ENGINE") or "local",
+                   help="where model hosts run: threads in this process, or Ray actors "
+                        "(default $TRIO_ENGINE or local)")
+    p.add_argument("--ray-address", metavar="ADDR", default=None,
+                   help="with --engine ray: join an existing Ray cluster at ADDR; "
+                        "without it a local Ray instance is started")
+    p.add_argument("--ray-place", metavar="MODEL=RESOURCE", type=placement, action="append",
+                   help="with --engine ray: run MODEL's host on nodes offering the custom Ray resource "
+                        "RESOURCE (ray start --resources); repeatable")
+    p.add_argument("--seq-gap-seconds", type=float, default=None,
+                   help="how long a run's later requests wait for a sequence number that never "
+                        "arrived before continuing without it (default 30)")
+    p.add_argument("--device", type=device, default=os.environ.get("TRIO_DEVICE") or "auto",
+                   help="auto|cpu|cuda|cuda:N; auto picks CUDA when available (default $TRIO_DEVICE or auto)")
+    p.add_argument("--no-auth", action="store_true", help="no API keys: localhost development only")
+    p.set_defaults(func=serve)
+
+    keys = sub.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", required=True)
+    k = keys.add_parser("create", help="create an API key and print it once")
+    k.add_argument("--name", required=True)
+    k.add_argument("--data-dir")
+    k.add_argument("--db")
+    k.set_defaults(func=keys_create)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""The seam between the service and the model hosts: the ``Engine`` protocol.
+
+The service core talks to an engine only through these methods, and only with plain,
+picklable dataclasses (trio_engine's ``ForwardJob``, ``SampleRequest``, ``LoraConfig``,
+``AdamConfig`` ... and the few below), so an engine can be a thread in this process
+(``LocalEngine``, the default) or a Ray actor on another machine (``RayEngine``).
+One engine serves one base model.
+
+Runs are named by their run id; checkpoints and snapshots by folders and files under
+the data dir, which every engine process must see (one machine, or a shared file
+system). After every ``optim_step``, ``load_state`` and ``create_adapter`` the engine
+writes the run's snapshot in the background (see ``SnapshotWriter``), so a run whose
+engine died comes back from its last completed step through ``ensure_resident``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from trio_engine import (
+    AdamConfig,
+    AdapterNotFoundError,
+    Catalog,
+    ForwardJob,
+    ForwardResult,
+    LoraConfig,
+    SampleRequest,
+    SampleResult,
+)
+
+log = logging.getLogger("trio.engine")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How to build an engine; the same for every base model of one service."""
+
+    snapshot_dir: str  # <data-dir>/snapshots: one file per run
+    dtype: str | None = None  # None: fp32 on CPU, bf16 on CUDA (or $TRIO_DTYPE)
+    device: str | None = None  # auto | cpu | cuda | cuda:N (None: $TRIO_DEVICE or auto)
+    catalog: Catalog = field(default_factory=Catalog)
+    max_sampler_adapters: int = 16  # LRU of loaded sampler weights
+    snapshots: bool = True  # off only to measure what they cost (benchmarks/snapshot.py)
+
+
+@dataclass
+class Failure:
+    """One item of a batch that failed; the others in the batch are unaffected."""
+
+    category: str  # validation | not_found | server
+    message: str
+
+
+@dataclass
+class SampleJob:
+    """A sampling request on a sampler's weights: None (the base model) or a checkpoint folder."""
+
+    weights: str | None
+    request: SampleRequest  # its adapter_id is set by the engine
+
+
+@dataclass
+class AdapterInfo:
+    config: LoraConfig
+    step: int
+
+
+class WeightsNotFoundError(FileNotFoundError):
+    """A sampler's checkpoint folder is gone (deleted after the sampler was made)."""
+
+
+def failure_from(exc: BaseException) -> Failure:
+    """The one mapping from engine exceptions to what a client is told."""
+    if isinstance(exc, WeightsNotFoundError):
+        return Failure("not_found", str(exc))
+    if isinstance(exc, AdapterNotFoundError):
+        return Failure("not_found", "the run's weights are not loaded on this server and it has no "
+                       "snapshot to resume from; create a client from a saved checkpoint")
+    if isinstance(exc, ValueError | FileNotFoundError):
+        return Failure("validation", str(exc))
+    return Failure("server", f"{type(exc).__name__}: {exc}")
+
+
+class Engine(Protocol):
+    """One base model's host, wherever it runs. Every method may block (call from a worker)."""
+
+    def load(self) -> dict[str, Any]:
+        """Load the model if not yet loaded; return model info. Raises if it cannot load."""
+        ...
+
+    def tokenizer_files(self) -> dict[str, str]: ...
+
+    def ensure_resident(self, run_ids: list[str]) -> None:
+        """Bring runs that are not in memory back from their snapshots (offloaded, or lost in a crash)."""
+        ...
+
+    def create_adapter(self, run_id: str, config: LoraConfig) -> None: ...
+
+    def forward(self, jobs: list[ForwardJob]) -> list[ForwardResult | Failure]: ...
+
+    def forward_backward(self, jobs: list[ForwardJob]) -> list[ForwardResult | Failure]: ...
+
+    def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]: ...
+
+    def adapter_info(self, run_id: str) -> AdapterInfo: ...
+
+    def save_state(self, run_id: str, folder: str) -> None: ...
+
+    def load_state(self, run_id: str, folder: str, with_optimizer: bool) -> LoraConfig: ...
+
+    def save_sampler_weights(self, run_id: str, folder: str) -> None: ...
+
+    def prepare_sampler(self, weights: str | None) -> None:
+        """Load a sampler's weights now, so a bad checkpoint fails at creation."""
+        ...
+
+    def release_weights(self, folder: str) -> None:
+        """Forget sampler weights loaded from ``folder`` (it was deleted or replaced)."""
+        ...
+
+    def sample(self, jobs: list[SampleJob]) -> list[SampleResult | Failure]: ...
+
+    def compute_logprobs(self, weights: str | None, tokens: list[int]) -> list[float | None]: ...
+
+    def offload(self, run_id: str) -> None:
+        """Write the run (with pending gradients) to its snapshot and free its memory."""
+        ...
+
+    def flush(self) -> None:
+        """Wait until every snapshot asked for so far is on disk."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def snapshot_path(snapshot_dir: str | Path, run_id: str) -> Path:
+    return Path(snapshot_dir) / f"{run_id}.safetensors"
+
+
+class SnapshotWriter:
+    """Writes run snapshots on a background thread: atomically, newest state only.
+
+    ``mark(run)`` asks for a snapshot and returns at once. While a run's snapshot is
+    being written, further marks coalesce into one more write of the then-newest state.
+    """
+
+    def __init__(self, host: Any, folder: str, enabled: bool = True):
+        self.host, self.folder, self.enabled = host, folder, enabled
+        self.dirty: OrderedDict[str, None] = OrderedDict()
+        self.writing: str | None = None
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._loop, name="trio-snapshots", daemon=True)
+        self.thread.start()
+
+    def mark(self, run_id: str) -> None:
+        if not self.enabled:
+            return
+        with self.cond:
+            self.dirty[run_id] = None
+            self.cond.notify_all()
+
+    def write_now(self, run_id: str, with_grads: bool = False) -> None:
+        """Write synchronously (replacing any pending write of the run)."""
+        with self.cond:
+            self.dirty.pop(run_id, None)
+            self.cond.wait_for(lambda: self.writing != run_id)
+            self.writing = run_id
+        try:
+            self._write(run_id, with_grads)
+        finally:
+            with self.cond:
+                self.writing = None
+                self.cond.notify_all()
+
+    def flush(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.dirty and self.writing is None)
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.dirty and self.writing is None)
+                run_id, _ = self.dirty.popitem(last=False)
+                self.writing = run_id
+            try:
+                self._write(run_id, with_grads=False)
+            except Exception:  # a failed snapshot must not stop later ones
+                log.exception("snapshot of run %s failed", run_id)
+            finally:
+                with self.cond:
+                    self.writing = None
+                    self.cond.notify_all()
+
+    def _write(self, run_id: str, with_grads: bool) -> None:
+        from trio_engine import snapshot
+
+        if run_id not in self.host.adapters:
+            return  # deleted meanwhile
+        snapshot.write(snapshot_path(self.folder, run_id), snapshot.capture(self.host, run_id, with_grads))
+
+
+class LocalEngine:
+    """A ModelHost in this process (loaded on first use), behind the Engine protocol."""
+
+    def __init__(self, base_model: str, settings: EngineSettings):
+        self.base_model = base_model
+        self.settings = settings
+        self._host: Any = None
+        self._snapshots: SnapshotWriter | None = None
+        self._load_lock = threading.Lock()
+        self.sampler_adapters: OrderedDict[str, str] = OrderedDict()  # weights folder -> adapter id
+
+    @property
+    def host(self) -> Any:
+        with self._load_lock:
+            if self._host is None:
+                from trio_engine import ModelHost
+
+                self._host = ModelHost(self.base_model, dtype=self.settings.dtype, catalog=self.settings.catalog,
+                                       device=self.settings.device)
+                self._snapshots = SnapshotWriter(self._host, self.settings.snapshot_dir, self.settings.snapshots)
+            return self._host
+
+    @property
+    def snapshots(self) -> SnapshotWriter:
+        self.host  # noqa: B018  (loads the model and starts the writer)
+        assert self._snapshots is not None
+        return self._snapshots
+
+    def load(self) -> dict[str, Any]:
+        info = self.host.info()
+        return info | {"pid": os.getpid(), "node": socket.gethostname()}
+
+    def tokenizer_files(self) -> dict[str, str]:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.host.tokenizer.save_pretrained(tmp)
+            return {p.name: p.read_text() for p in Path(tmp).iterdir() if p.is_file()}
+
+    # -- runs ---------------------------------------------------------------------------
+
+    def ensure_resident(self, run_ids: list[str]) -> None:
+        from trio_engine import snapshot
+
+        host = self.host
+        for run_id in dict.fromkeys(run_ids):
+            path = snapshot_path(self.settings.snapshot_dir, run_id)
+            if run_id not in host.adapters and path.exists():
+                snapshot.restore(host, run_id, snapshot.read(path))
+                log.info("run %s restored from its snapshot", run_id)
+
+    def create_adapter(self, run_id: str, config: LoraConfig) -> None:
+        self.host.create_adapter(run_id, config)
+        self.snapshots.mark(run_id)
+
+    def forward(self, jobs: list[ForwardJob]) -> list[ForwardResult | Failure]:
+        return self._forward(jobs, backward=False)
+
+    def forward_backward(self, jobs: list[ForwardJob]) -> list[ForwardResult | Failure]:
+        return self._forward(jobs, backward=True)
+
+    def _forward(self, jobs: list[ForwardJob], backward: bool) -> list[ForwardResult | Failure]:
+        host = self.host
+        results: list[ForwardResult | Failure | None] = [None] * len(jobs)
+        valid = {}
+        for k, job in enumerate(jobs):  # each job alone: one bad datum fails only its own request
+            try:
+                host.validate_job(job)
+                valid[k] = job
+            except Exception as exc:
+                results[k] = failure_from(exc)
+        if valid:
+            run = host.forward_backward if backward else host.forward
+            try:
+                outs: list[ForwardResult | Failure] = list(run(list(valid.values())))
+            except Exception as exc:
+                log.exception("forward%s failed", "_backward" if backward else "")
+                outs = [failure_from(exc)] * len(valid)
+            for k, out in zip(valid, outs):
+                results[k] = out
+        return [r for r in results if r is not None]
+
+    def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]:
+        metrics = self.host.optim_step(run_id, config)
+        self.snapshots.mark(run_id)
+        return metrics
+
+    def adapter_info(self, run_id: str) -> AdapterInfo:
+        adapter = self.host.adapters.get(run_id)
+        if adapter is None:
+            raise AdapterNotFoundError(run_id)
+        return AdapterInfo(adapter.config, adapter.optim.step)
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def save_state(self, run_id: str, folder: str) -> None:
+        self.host.save_state(run_id, folder)
+        self.release_weights(folder)
+
+    def load_state(self, run_id: str, folder: str, with_optimizer: bool) -> LoraConfig:
+        self.host.load_state(run_id, folder, with_optimizer)
+        self.snapshots.mark(run_id)
+        return self.host.adapters[run_id].config
+
+    def save_sampler_weights(self, run_id: str, folder: str) -> None:
+        self.host.save_sampler_weights(run_id, folder)
+        self.release_weights(folder)
+
+    def offload(self, run_id: str) -> None:
+        # Only the worker thread calls the engine, so nothing changes the run in between.
+        self.snapshots.write_now(run_id, with_grads=True)
+        self.host.delete_adapter(run_id)
+
+    def flush(self) -> None:
+        if self._snapshots is not None:
+            self._snapshots.flush()
+
+    # -- sampling -----------------------------------------------------------------------
+
+    def prepare_sampler(self, weights: str | None) -> None:
+        self._sampler_adapter(weights)
+
+    def release_weights(self, folder: str) -> None:
+        if self._host is None:
+            return
+        with self._host.lock:  # may come from a request thread while the worker samples
+            adapter_id = self.sampler_adapters.pop(str(folder), None)
+            if adapter_id is not None:
+                self._host.delete_adapter(adapter_id)
+
+    def sample(self, jobs: list[SampleJob]) -> list[SampleResult | Failure]:
+        from trio_engine.sampler import validate_request
+
+        host = self.host
+        results: list[SampleResult | Failure | None] = [None] * len(jobs)
+        valid: dict[int, SampleRequest] = {}
+        for k, job in enumerate(jobs):
+            try:
+                job.request.adapter_id = self._sampler_adapter(job.weights)
+                validate_request(job.request, 0, host.vocab_size, host.max_seq_len)
+                valid[k] = job.request
+            except Exception as exc:
+                failure = failure_from(exc)
+                failure.message = failure.message.removeprefix("requests[0].")
+                results[k] = failure
+        if valid:
+            try:
+                outs: list[SampleResult | Failure] = list(host.sample(list(valid.values())))
+            except Exception as exc:
+                log.exception("sample failed")
+                outs = [failure_from(exc)] * len(valid)
+            for k, out in zip(valid, outs):
+                results[k] = out
+        return [r for r in results if r is not None]
+
+    def compute_logprobs(self, weights: str | None, tokens: list[int]) -> list[float | None]:
+        return self.host.compute_logprobs(self._sampler_adapter(weights), tokens)
+
+    def _sampler_adapter(self, weights: str | None) -> str | None:
+        """The host adapter serving some sampler weights: None for the base model (LRU)."""
+        if weights is None:
+            return None
+        with self.host.lock:
+            return self._load_sampler_adapter(weights)
+
+    def _load_sampler_adapter(self, weights: str) -> str:
+        cache = self.sampler_adapters
+        if weights in cache:
+            cache.move_to_end(weights)
+            return cache[weights]
+        folder = Path(weights)
+        if not folder.exists():
+            raise WeightsNotFoundError(f"model_path: the checkpoint {folder.name!r} no longer exists")
+        host = self.host
+        adapter_id = "sampler-" + secrets.token_hex(6)
+        if (folder / "adapter_config.json").exists():
+            host.load_sampler_weights(adapter_id, str(folder))
+        else:
+            host.load_state(adapter_id, str(folder), with_optimizer=False)
+        cache[weights] = adapter_id
+        while len(cache) > self.settings.max_sampler_adapters:
+            _, evicted = cache.popitem(last=False)
+            host.delete_adapter(evicted)
+        return adapter_id
+
+    def close(self) -> None:
+        self.flush()

@@ -1,0 +1,182 @@
+"""``RayEngine``: a base model's host in a Ray actor, on this machine or another node.
+
+The actor holds a ``LocalEngine`` (the same code as the in-process default), so
+co-batching, validation and snapshots behave identically; only the calls travel.
+Arguments and results are the Engine protocol's pickled dataclasses, which Ray moves
+through its object store (large ones are stored there rather than inlined); nothing
+goes through JSON. Checkpoints and snapshots are written by the actor itself, to the
+data dir, which every node must see at the same path (one machine, or shared storage).
+
+Placement: on a cluster with GPUs (or with ``device`` cuda) each actor asks Ray for
+one GPU, and Ray's ``CUDA_VISIBLE_DEVICES`` makes it the actor's ``cuda``. A base
+model can be pinned to nodes that offer a custom resource (``ray start --resources``).
+
+Crashes: the actor restarts on its own (``max_restarts=-1``) with an empty model;
+``ensure_resident`` brings each run back from its snapshot on its next request. A call
+that was running when the actor died fails with a clear restart error, unless it only
+reads state: those are retried on the restarted actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from trio_engine import AdamConfig, ForwardJob, ForwardResult, LoraConfig, SampleResult
+
+from .engine import AdapterInfo, EngineSettings, Failure, LocalEngine, SampleJob
+from .errors import ServiceError
+
+log = logging.getLogger("trio.server")
+
+HOST_RESTART_MESSAGE = "the model host restarted while this request was in flight; submit it again"
+# Calls that change nothing on the host: safe to run again on a restarted actor.
+RETRY_SAFE = {"load", "tokenizer_files", "ensure_resident", "forward", "adapter_info", "prepare_sampler",
+              "release_weights", "sample", "compute_logprobs", "flush"}
+RESTART_WAIT_SECONDS = 120.0
+
+
+class HostActor:
+    """The Ray actor: one LocalEngine, with torch using the node's cores."""
+
+    def __init__(self, base_model: str, settings: EngineSettings, threads: int | None):
+        import torch
+
+        # Ray sets OMP_NUM_THREADS=1 in its workers; a model host wants the cores.
+        torch.set_num_threads(threads or os.cpu_count() or 1)
+        self.engine = LocalEngine(base_model, settings)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.engine, method)(*args)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+def connect(address: str | None) -> None:
+    """Join the cluster at ``address``, or start a local Ray instance (once per process)."""
+    if ray.is_initialized():
+        return
+    started = time.monotonic()
+    # A local instance is for this machine only: keep it on the loopback interface.
+    ray.init(address=address, namespace="trio", include_dashboard=False, log_to_driver=True,
+             configure_logging=False, _node_ip_address="127.0.0.1" if address is None else None)
+    where = address or "a local instance"
+    log.info("joined Ray (%s) in %.1f s: %s", where, time.monotonic() - started, ray.cluster_resources())
+
+
+def wants_gpu(device: str | None) -> bool:
+    spec = device or os.environ.get("TRIO_DEVICE") or "auto"
+    if spec == "auto":
+        return ray.cluster_resources().get("GPU", 0) > 0
+    return spec.startswith("cuda")
+
+
+class RayEngine:
+    """The Engine protocol over one Ray actor.
+
+    Args:
+        base_model: the model its actor hosts.
+        settings: as for LocalEngine; ``device`` cuda:N becomes the actor's one GPU.
+        address: a Ray cluster to join (None: start a local instance).
+        resource: a custom Ray resource the actor needs (pins the model to nodes offering it).
+    """
+
+    def __init__(self, base_model: str, settings: EngineSettings, address: str | None = None,
+                 resource: str | None = None):
+        connect(address)
+        gpu = wants_gpu(settings.device)
+        if gpu and settings.device and settings.device.startswith("cuda:"):
+            settings = _replace_device(settings, "cuda")  # Ray shows the actor only its own GPU
+        options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": 0,
+                                   "num_gpus": 1 if gpu else 0}
+        if resource:
+            options["resources"] = {resource: 0.001}
+        threads = int(os.environ["TRIO_THREADS"]) if os.environ.get("TRIO_THREADS") else None
+        self.base_model = base_model
+        self.actor: Any = ray.remote(HostActor).options(**options).remote(base_model, settings, threads)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        deadline = time.monotonic() + RESTART_WAIT_SECONDS
+        while True:
+            try:
+                return ray.get(self.actor.call.remote(method, *args))
+            except RayTaskError as exc:  # the engine raised: re-raise its own exception
+                cause = exc.cause
+                raise (cause if isinstance(cause, Exception) else exc) from None
+            except RayActorError:
+                if method not in RETRY_SAFE:
+                    log.error("host actor of %s died during %s", self.base_model, method)
+                    raise ServiceError("server", HOST_RESTART_MESSAGE, 500) from None
+                if time.monotonic() > deadline:
+                    raise ServiceError("server", f"the model host of {self.base_model} is not coming back", 500) from None
+                log.warning("host actor of %s is restarting; retrying %s", self.base_model, method)
+                time.sleep(0.5)
+
+    def load(self) -> dict[str, Any]:
+        return self._call("load") | {"ray_node_id": ray.get(self.actor.node_id.remote())}
+
+    def tokenizer_files(self) -> dict[str, str]:
+        return self._call("tokenizer_files")
+
+    def ensure_resident(self, run_ids: list[str]) -> None:
+        self._call("ensure_resident", run_ids)
+
+    def create_adapter(self, run_id: str, config: LoraConfig) -> None:
+        self._call("create_adapter", run_id, config)
+
+    def forward(self, jobs: list[ForwardJob]) -> list[ForwardResult | Failure]:
+        return self._call("forward", jobs)
+
+    def forward_backward(self, jobs: list[ForwardJob]) -> list[ForwardResult | Failure]:
+        return self._call("forward_backward", jobs)
+
+    def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]:
+        return self._call("optim_step", run_id, config)
+
+    def adapter_info(self, run_id: str) -> AdapterInfo:
+        return self._call("adapter_info", run_id)
+
+    def save_state(self, run_id: str, folder: str) -> None:
+        self._call("save_state", run_id, folder)
+
+    def load_state(self, run_id: str, folder: str, with_optimizer: bool) -> LoraConfig:
+        return self._call("load_state", run_id, folder, with_optimizer)
+
+    def save_sampler_weights(self, run_id: str, folder: str) -> None:
+        self._call("save_sampler_weights", run_id, folder)
+
+    def prepare_sampler(self, weights: str | None) -> None:
+        self._call("prepare_sampler", weights)
+
+    def release_weights(self, folder: str) -> None:
+        self._call("release_weights", folder)
+
+    def sample(self, jobs: list[SampleJob]) -> list[SampleResult | Failure]:
+        return self._call("sample", jobs)
+
+    def compute_logprobs(self, weights: str | None, tokens: list[int]) -> list[float | None]:
+        return self._call("compute_logprobs", weights, tokens)
+
+    def offload(self, run_id: str) -> None:
+        self._call("offload", run_id)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            ray.kill(self.actor, no_restart=True)
+
+
+def _replace_device(settings: EngineSettings, device: str) -> EngineSettings:
+    from dataclasses import replace
+
+    return replace(settings, device=device)

@@ -1,0 +1,129 @@
+"""One worker thread per base model: schedule -> execute -> resolve, over one engine.
+
+The worker owns its queue. ``scheduler.next_batch`` (pure) picks what runs next,
+``handlers.execute`` runs it on the engine, and the core's ``resolve`` stores each
+outcome and wakes its waiters. When idle, the worker lets runs whose client went
+quiet leave memory (``Engine.offload``), and lets a run continue past a sequence
+number that never arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .handlers import Context, Result, execute
+from .scheduler import WorkItem, next_batch, stalled_runs
+
+log = logging.getLogger("trio.server")
+
+
+@dataclass
+class Sequencing:
+    """The core's per-run order, shared by all workers: the next seq each run may run."""
+
+    next_seq: dict[str, int]
+    lock: threading.RLock
+    gap_seconds: float  # how long a run's later requests wait for a missing one
+
+
+class HostWorker:
+    def __init__(self, ctx: Context, resolve: Callable[[WorkItem, Result], None], order: Sequencing,
+                 idle_offload_seconds: float):
+        self.ctx = ctx
+        self.engine = ctx.engine
+        self.resolve = resolve
+        self.order = order
+        self.idle_offload_seconds = idle_offload_seconds
+        self.pending: list[WorkItem] = []
+        self.running: set[str] = set()
+        self.cond = threading.Condition()
+        self._stopped = False
+        self.last_used: dict[str, float] = {}  # run id -> when a request last touched it (resident runs)
+        self.queued_at: dict[str, float] = {}  # request id -> when it was queued
+        self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{ctx.base_model}", daemon=True)
+        self.thread.start()
+
+    def enqueue(self, item: WorkItem) -> None:
+        with self.cond:
+            self.queued_at[item.request_id] = time.monotonic()
+            self.pending.append(item)
+            self.cond.notify()
+
+    def snapshot(self) -> list[WorkItem]:
+        with self.cond:
+            return list(self.pending)
+
+    def position(self, request_id: str) -> int | None:
+        with self.cond:
+            if request_id in self.running:
+                return 0
+            ids = [i.request_id for i in sorted(self.pending, key=lambda i: i.arrival)]
+            return ids.index(request_id) + 1 if request_id in ids else None
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stopped = True
+            self.cond.notify()
+        self.thread.join(30)
+        self.engine.close()
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._schedule()
+            if batch is None:
+                return
+            if not batch:
+                self._skip_missing_seqs()
+                self._offload_idle()
+                continue
+            try:
+                results = execute(self.ctx, batch)
+                for item in batch:
+                    run_id = item.run_id or item.context.get("run_id")  # create_model names its run here
+                    if run_id is not None:
+                        self.last_used[run_id] = time.monotonic()
+                for item, result in zip(batch, results):
+                    self.resolve(item, result)
+            finally:
+                with self.cond:
+                    self.running.difference_update(i.request_id for i in batch)
+
+    def _schedule(self) -> list[WorkItem] | None:
+        """The next batch (empty after a second of nothing to do); None once stopped."""
+        with self.cond:
+            if self._stopped:
+                return None
+            batch = next_batch(self.pending, self.order.next_seq)
+            if not batch:
+                self.cond.wait(timeout=1.0)
+                batch = next_batch(self.pending, self.order.next_seq)
+            for item in batch:
+                self.pending.remove(item)
+                self.queued_at.pop(item.request_id, None)
+                self.running.add(item.request_id)
+            return batch
+
+    def _skip_missing_seqs(self) -> None:
+        with self.cond:
+            stalled = stalled_runs(self.pending, self.order.next_seq, self.queued_at, time.monotonic(),
+                                   self.order.gap_seconds)
+        for run_id, seq in stalled.items():
+            log.warning("run %s: requests %d..%d never arrived; continuing at %d",
+                        run_id, self.order.next_seq.get(run_id, 0), seq - 1, seq)
+            with self.order.lock:
+                self.order.next_seq[run_id] = seq
+
+    def _offload_idle(self) -> None:
+        cutoff = time.monotonic() - self.idle_offload_seconds
+        for run_id, used in list(self.last_used.items()):
+            if used < cutoff:
+                del self.last_used[run_id]
+                try:
+                    self.engine.offload(run_id)
+                    log.info("offloaded idle run %s to disk", run_id)
+                except Exception as exc:  # gone already (e.g. its engine restarted): nothing to free
+                    log.info("run %s not offloaded: %s", run_id, exc)

@@ -1,0 +1,27 @@
+"""Waiting for a run's snapshot on disk: the condition itself, not a sleep."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from safetensors import safe_open
+
+from trio_server.engine import snapshot_path
+
+
+def snapshot_step(data_dir: Path, run_id: str) -> int | None:
+    path = snapshot_path(Path(data_dir) / "snapshots", run_id)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return int((f.metadata() or {})["step"])
+    except (FileNotFoundError, KeyError):
+        return None
+
+
+def wait_for_snapshot(data_dir: Path, run_id: str, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while snapshot_step(data_dir, run_id) != step:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no snapshot of {run_id} at step {step}; on disk: {snapshot_step(data_dir, run_id)}")
+        time.sleep(0.05)
