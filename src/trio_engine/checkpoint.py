@@ -85,21 +85,6 @@ def load_training_state(folder: str | Path, with_optimizer: bool) -> TrainingSta
     return TrainingState(config, weights, optim, meta["base_model"])
 
 
-def save_grads(folder: str | Path, params: dict[str, torch.Tensor]) -> None:
-    """Accumulated gradients not yet applied (an offloaded run keeps them)."""
-    grads = {k: p.grad for k, p in params.items() if p.grad is not None}
-    if grads:
-        save_file(_detached(grads), Path(folder) / "grads.safetensors")
-
-
-def load_grads(folder: str | Path, params: dict[str, torch.Tensor]) -> None:
-    """Set each parameter's ``.grad`` from ``save_grads``' file, on the parameter's device."""
-    path = Path(folder) / "grads.safetensors"
-    if path.exists():
-        for k, g in load_file(path, device="cpu").items():
-            params[k].grad = g.to(params[k].device, params[k].dtype)
-
-
 def save_peft_adapter(
     folder: str | Path, params: dict[str, torch.Tensor], config: LoraConfig, base_model: str
 ) -> None:

@@ -377,19 +377,6 @@ class ModelHost:
             if state.optim is not None:
                 self.adapters[adapter_id].optim = state.optim.to(self.device)
 
-    def offload(self, adapter_id: str, folder: str) -> None:
-        """Move an adapter, its optimizer state and pending grads to disk, freeing memory."""
-        with self.lock:
-            self.save_state(adapter_id, folder)
-            checkpoint.save_grads(folder, self.adapter_params(adapter_id))
-            self.delete_adapter(adapter_id)
-
-    def restore(self, adapter_id: str, folder: str) -> None:
-        """Bring an offloaded adapter back exactly as it was."""
-        with self.lock:
-            self.load_state(adapter_id, folder, with_optimizer=True)
-            checkpoint.load_grads(folder, self.adapter_params(adapter_id))
-
     def save_sampler_weights(self, adapter_id: str, folder: str) -> None:
         """A PEFT adapter folder that peft/vLLM load on the same base model."""
         adapter = self._adapter(adapter_id)

@@ -21,6 +21,7 @@ from trio_engine import (
     SamplingConfig,
     resolve_device,
     resolve_dtype,
+    snapshot,
 )
 
 from .helpers import random_example, randomize_adapter
@@ -140,12 +141,12 @@ def test_saved_state_is_device_free_and_loads_elsewhere(tiny_host, new_id, tmp_p
     tiny_host.forward_backward([ForwardJob(aid, data)])  # pending grads, for offload below
     assert_on_device(tiny_host, aid)
     tiny_host.save_state(aid, tmp_path / "ckpt")
-    tiny_host.offload(aid, tmp_path / "off")  # state + pending grads
-    tiny_host.restore(aid, tmp_path / "off")
+    snap = tmp_path / "run.safetensors"
+    snapshot.write(snap, snapshot.capture(tiny_host, aid, with_grads=True))  # state + pending grads
+    snapshot.restore(tiny_host, aid, snapshot.read(snap))
     assert_on_device(tiny_host, aid)
 
-    files = [tmp_path / "ckpt" / "adapter.safetensors", tmp_path / "ckpt" / "optimizer.safetensors",
-             tmp_path / "off" / "grads.safetensors"]
+    files = [tmp_path / "ckpt" / "adapter.safetensors", tmp_path / "ckpt" / "optimizer.safetensors", snap]
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             assert list(f.keys())

@@ -1,0 +1,98 @@
+"""LocalEngine behind the Engine protocol: snapshots coalesce, restarts resume, failures stay per item."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from trio_engine import AdamConfig, Example, ForwardJob, LoraConfig, snapshot
+from trio_server.engine import EngineSettings, Failure, LocalEngine, snapshot_path
+
+MODEL = "trio/tiny-llama"
+
+
+def job(run_id, tokens=(1, 5, 9, 200, 31, 7)):
+    toks = list(tokens)
+    return ForwardJob(run_id, [Example(toks[:-1], {"target_tokens": toks[1:]})])
+
+
+@pytest.fixture
+def engine(tmp_path):
+    eng = LocalEngine(MODEL, EngineSettings(snapshot_dir=str(tmp_path / "snapshots"), dtype="float32"))
+    yield eng
+    eng.close()
+
+
+def wait_until(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_marks_during_a_write_coalesce_into_one_more_write_of_the_newest_state(engine, monkeypatch):
+    engine.create_adapter("run-a", LoraConfig(rank=2))
+    engine.flush()
+    writes: list[int] = []
+    real_write = snapshot.write
+
+    def counting_write(path, snap):
+        writes.append(snap.step)
+        real_write(path, snap)
+
+    monkeypatch.setattr(snapshot, "write", counting_write)
+    writer = engine.snapshots
+    with engine.host.lock:  # the writer's capture waits for the lock: a write in flight
+        writer.mark("run-a")
+        wait_until(lambda: writer.writing == "run-a", "the writer to start")
+        for _ in range(5):
+            writer.mark("run-a")
+    engine.flush()
+    assert len(writes) == 2, writes  # the one in flight, then one for all five marks
+    for _ in range(3):  # steps while writes happen: the file ends at the newest
+        engine.forward_backward([job("run-a")])
+        engine.optim_step("run-a", AdamConfig(learning_rate=1e-2))
+    engine.flush()
+    assert snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-a")).step == 3
+
+
+def test_a_new_engine_resumes_runs_from_their_snapshots(engine, tmp_path):
+    engine.create_adapter("run-b", LoraConfig(rank=2, seed=4))
+    for _ in range(2):
+        engine.forward_backward([job("run-b")])
+        engine.optim_step("run-b", AdamConfig(learning_rate=1e-2))
+    engine.flush()
+    want = engine.forward([job("run-b", (3, 1, 4, 1, 5, 9, 2))])[0]
+
+    restarted = LocalEngine(MODEL, engine.settings)  # as after a crash: nothing in memory
+    restarted.ensure_resident(["run-b", "never-existed"])
+    assert restarted.adapter_info("run-b").step == 2
+    got = restarted.forward([job("run-b", (3, 1, 4, 1, 5, 9, 2))])[0]
+    assert got.logprobs[0] == pytest.approx(want.logprobs[0], abs=1e-6)
+    missing = restarted.forward([job("never-existed")])[0]
+    assert isinstance(missing, Failure) and missing.category == "not_found"
+
+
+def test_one_bad_job_fails_alone_in_its_batch(engine):
+    engine.create_adapter("run-c", LoraConfig(rank=2))
+    bad = ForwardJob("run-c", [Example([1, 2, 3], {"target_tokens": [1, 2]})])  # wrong length
+    out = engine.forward_backward([job("run-c"), bad, job("run-c")])
+    assert not isinstance(out[0], Failure) and not isinstance(out[2], Failure)
+    assert isinstance(out[1], Failure) and out[1].category == "validation"
+    assert "data[0].loss_fn_inputs['target_tokens']" in out[1].message
+
+
+def test_offload_frees_memory_and_keeps_pending_grads(engine):
+    engine.create_adapter("run-d", LoraConfig(rank=2, seed=2))
+    engine.forward_backward([job("run-d")])
+    engine.optim_step("run-d", AdamConfig(learning_rate=1e-2))
+    engine.forward_backward([job("run-d")])  # pending
+    grads = {k: p.grad.clone() for k, p in engine.host.adapter_params("run-d").items()}
+    engine.offload("run-d")
+    assert "run-d" not in engine.host.adapters
+    engine.ensure_resident(["run-d"])
+    for k, p in engine.host.adapter_params("run-d").items():
+        assert p.grad is not None and bool((p.grad == grads[k]).all()), k
+
