@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sample.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/snapshot.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -1,20 +1,24 @@
-"""What the HTTP service costs over the in-process (embedded) service.
+"""What the HTTP service and the Ray engine cost over the in-process (embedded) service.
 
-The same SDK calls run twice: through the local transport on a ServiceCore in this
-process (the baseline), and through ``trio serve`` in a subprocess on loopback (ours).
+The same SDK calls run through three services: the local transport on a ServiceCore
+in this process (the baseline); ``trio serve`` in a subprocess on loopback (HTTP);
+and a ServiceCore in this process whose model host is a Ray actor on a local Ray
+instance (``--engine ray``). Each comparison alternates ours and the baseline call by
+call (ABAB...) and takes medians, so drift hits both alike.
 
     RESULT http_train_step_8x128  ours=<steps/s over HTTP> baseline=<steps/s in-process> ratio=...
-    RESULT http_sample            ours=<calls/s>  baseline=<calls/s>  ratio=...
-    RESULT http_trivial_call      ours=<calls/s>  baseline=<calls/s>  ratio=...
-    RESULT http_burst_200         ours=<futures/s> baseline=<futures/s> ratio=...
-    BURST  p50_ms=... p99_ms=... errors=...
+    RESULT ray_train_step_8x128   ours=<steps/s via the actor> baseline=... ratio=...
+    RESULT {http,ray}_sample, {http,ray}_trivial_call ...
+    RESULT {http,ray}_burst_200   ours=<futures/s> baseline=<futures/s> ratio=...
+    BURST  <service> futures=200 p50_ms=... p99_ms=... errors=...
 
-Targets: train step ratio >= 0.9 (HTTP within 10%), burst errors = 0.
-Run: .venv/bin/python benchmarks/overhead.py
+Targets: HTTP train step >= 0.9; Ray train step and sample >= 0.93; burst errors = 0.
+Run: .venv/bin/python benchmarks/overhead.py [--repeats 5]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import statistics
@@ -23,10 +27,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from common import result, timed
+from common import result, timed_pair
 
 import pytrio as trio
 from pytrio.transport.local import LocalTransport
@@ -58,8 +63,8 @@ def dense_batch(vocab: int = 49152) -> list[trio.Datum]:
     return data
 
 
-def measure(service: trio.ServiceClient) -> dict[str, float]:
-    """Rates (per second) of each call type through one service client."""
+def workload(service: trio.ServiceClient) -> dict[str, Callable[[], object]]:
+    """One call of each kind, ready to time, on one service."""
     tc = service.create_lora_training_client(base_model=DEFAULT_MODEL, rank=32, seed=0)
     data = dense_batch()
 
@@ -72,10 +77,17 @@ def measure(service: trio.ServiceClient) -> dict[str, float]:
     prompt = trio.ModelInput.from_ints(list(range(100, 140)))
     params = trio.SamplingParams(max_tokens=16, temperature=1.0, seed=0)
     return {
-        "train_step_8x128": 1 / timed(step, repeats=3),
-        "sample": 1 / timed(lambda: sampler.sample(prompt, 4, params).result(), repeats=5),
-        "trivial_call": 1 / timed(lambda: tc.get_info(), repeats=30, warmup=3),
+        "train_step_8x128": step,
+        "sample": lambda: sampler.sample(prompt, 4, params).result(),
+        "trivial_call": lambda: tc.get_info(),
     }
+
+
+def compare(name: str, ours: dict[str, Callable[[], object]], baseline: dict[str, Callable[[], object]],
+            repeats: int) -> None:
+    for kind, runs in (("train_step_8x128", repeats), ("sample", 3 * repeats), ("trivial_call", 20 * repeats)):
+        mine, theirs = timed_pair(ours[kind], baseline[kind], repeats=runs)
+        result(f"{name}_{kind}", 1 / mine, 1 / theirs, unit=" (per s)")
 
 
 def burst(service: trio.ServiceClient, threads: int = 8, per_thread: int = 25) -> tuple[float, list[float], int]:
@@ -107,28 +119,35 @@ def burst(service: trio.ServiceClient, threads: int = 8, per_thread: int = 25) -
     return threads * per_thread / (time.perf_counter() - start), latencies, errors[0]
 
 
+def report_burst(name: str, service: trio.ServiceClient, baseline_rate: float) -> None:
+    rate, latencies, errors = burst(service)
+    result(f"{name}_burst_200", rate, baseline_rate, unit=" (futures/s)")
+    qs = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0] * 99
+    print(f"BURST {name} futures={len(latencies) + errors} p50_ms={qs[49] * 1000:.0f} "
+          f"p99_ms={qs[98] * 1000:.0f} errors={errors}", flush=True)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
     os.environ.pop("PYTRIO_BASE_URL", None)
     with tempfile.TemporaryDirectory() as tmp:
         local = trio.ServiceClient(transport=LocalTransport(ServiceCore(Path(tmp) / "local")))
+        on_ray = trio.ServiceClient(transport=LocalTransport(ServiceCore(Path(tmp) / "ray", engine="ray")))
         port = 8000 + random.Random().randrange(1000)
         proc = start_server(Path(tmp) / "http", port)
         try:
             remote = trio.ServiceClient(base_url=f"http://127.0.0.1:{port}")
-            # one process at a time on the 2 cores: measure local, then HTTP
-            base_rates = measure(local)
+            base = workload(local)
+            compare("http", workload(remote), base, args.repeats)
+            compare("ray", workload(on_ray), base, args.repeats)
             base_burst, _, _ = burst(local)
-            http_rates = measure(remote)
-            http_burst, latencies, errors = burst(remote)
+            report_burst("http", remote, base_burst)
+            report_burst("ray", on_ray, base_burst)
         finally:
             proc.terminate()
             proc.wait(30)
-    for name in base_rates:
-        result(f"http_{name}", http_rates[name], base_rates[name], unit=" (per s)")
-    result("http_burst_200", http_burst, base_burst, unit=" (futures/s)")
-    qs = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0] * 99
-    print(f"BURST futures={len(latencies) + errors} p50_ms={qs[49] * 1000:.0f} p99_ms={qs[98] * 1000:.0f} "
-          f"errors={errors}", flush=True)
 
 
 if __name__ == "__main__":

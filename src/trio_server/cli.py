@@ -72,7 +72,10 @@ def serve(args: argparse.Namespace) -> None:
     sock = socket.create_server((args.host, args.port))
     host, port = sock.getsockname()[:2]
     log.info("TRIO listening on http://%s:%d (pid %d)", host, port, os.getpid())
-    uvicorn.run(create_app(core, auth=not args.no_auth), fd=sock.fileno(), log_level="warning")
+    # Handed over as a socket, not an fd: uvicorn would take an fd for a Unix socket and
+    # skip TCP_NODELAY, which costs ~80 ms per small request (Nagle + delayed ACK).
+    config = uvicorn.Config(create_app(core, auth=not args.no_auth), log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 def keys_create(args: argparse.Namespace) -> None:

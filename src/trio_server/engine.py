@@ -210,9 +210,10 @@ class SnapshotWriter:
 class LocalEngine:
     """A ModelHost in this process (loaded on first use), behind the Engine protocol."""
 
-    def __init__(self, base_model: str, settings: EngineSettings):
+    def __init__(self, base_model: str, settings: EngineSettings, labels: dict[str, str] | None = None):
         self.base_model = base_model
         self.settings = settings
+        self.labels = labels or {}  # reported by load(), e.g. the Ray node an actor runs on
         self._host: Any = None
         self._snapshots: SnapshotWriter | None = None
         self._load_lock = threading.Lock()
@@ -237,7 +238,7 @@ class LocalEngine:
 
     def load(self) -> dict[str, Any]:
         info = self.host.info()
-        return info | {"pid": os.getpid(), "node": socket.gethostname()}
+        return info | {"pid": os.getpid(), "node": socket.gethostname()} | self.labels
 
     def tokenizer_files(self) -> dict[str, str]:
         import tempfile

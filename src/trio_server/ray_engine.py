@@ -49,13 +49,10 @@ class HostActor:
 
         # Ray sets OMP_NUM_THREADS=1 in its workers; a model host wants the cores.
         torch.set_num_threads(threads or os.cpu_count() or 1)
-        self.engine = LocalEngine(base_model, settings)
+        self.engine = LocalEngine(base_model, settings, {"ray_node_id": ray.get_runtime_context().get_node_id()})
 
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.engine, method)(*args)
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
 
 
 def connect(address: str | None) -> None:
@@ -119,7 +116,7 @@ class RayEngine:
                 time.sleep(0.5)
 
     def load(self) -> dict[str, Any]:
-        return self._call("load") | {"ray_node_id": ray.get(self.actor.node_id.remote())}
+        return self._call("load")
 
     def tokenizer_files(self) -> dict[str, str]:
         return self._call("tokenizer_files")
