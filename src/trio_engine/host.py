@@ -127,6 +127,23 @@ class ModelHost:
         self._adapter(adapter_id)
         return lora.adapter_tensors(self.model, adapter_id)
 
+    def has_adapter(self, adapter_id: str) -> bool:
+        return adapter_id in self.adapters
+
+    def adapter_config(self, adapter_id: str) -> tuple[lora.LoraConfig, int]:
+        """An adapter's LoRA config and its optimizer step count."""
+        adapter = self._adapter(adapter_id)
+        return adapter.config, adapter.optim.step
+
+    def tokenizer_files(self) -> dict[str, str]:
+        """The tokenizer as its Hugging Face files: name -> text."""
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.tokenizer.save_pretrained(tmp)
+            return {p.name: p.read_text() for p in Path(tmp).iterdir() if p.is_file()}
+
     def _adapter(self, adapter_id: str) -> Adapter:
         try:
             return self.adapters[adapter_id]
@@ -324,12 +341,16 @@ class ModelHost:
 
     # -- sampling ---------------------------------------------------------------------
 
+    def validate_sample(self, req: sampler.SampleRequest, k: int = 0) -> None:
+        """Raise InvalidInputError naming the field (as ``requests[k].<field>``); touches no state."""
+        sampler.validate_request(req, k, self.vocab_size, self.max_seq_len)
+        if req.adapter_id is not None:
+            self._adapter(req.adapter_id)
+
     def sample(self, requests: list[sampler.SampleRequest]) -> list[sampler.SampleResult]:
         """Sample for several requests (any adapters) in shared decode batches."""
         for k, req in enumerate(requests):
-            sampler.validate_request(req, k, self.vocab_size, self.max_seq_len)
-            if req.adapter_id is not None:
-                self._adapter(req.adapter_id)
+            self.validate_sample(req, k)
         with self.lock, torch.no_grad():
             return sampler.generate(self, requests)
 

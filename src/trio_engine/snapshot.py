@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ def write(path: str | Path, snap: Snapshot) -> None:
     """Write atomically: a temporary file in the same folder, flushed, then renamed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     meta = {"format": FORMAT, "base_model": snap.base_model, "step": str(snap.step),
             "lora_config": json.dumps(asdict(snap.config))}
     try:

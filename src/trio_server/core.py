@@ -123,6 +123,11 @@ class ServiceCore:
         self.ray_placement = ray_placement or {}
         if engine not in ("local", "ray"):
             raise ValueError(f"engine: must be 'local' or 'ray', got {engine!r}")
+        if engine == "ray":  # join (or start) Ray now: a bad address or placement fails at start-up
+            from .ray_engine import check_cluster, connect
+
+            connect(ray_address)
+            check_cluster(device, self.ray_placement)
         self.lock = threading.RLock()
         self.workers: dict[str, HostWorker] = {}
         self.futures: dict[str, concurrent.futures.Future[Outcome]] = {}
@@ -425,9 +430,7 @@ class ServiceCore:
         row = self._checkpoint(user_id, path)
         folder = self.checkpoint_dir(row["run_id"], row["kind"], row["name"])
         shutil.rmtree(folder, ignore_errors=True)
-        self.store.delete(checkpoints_table, path=path)
-        for worker in list(self.workers.values()):
-            worker.engine.release_weights(str(folder))
+        self.store.delete(checkpoints_table, path=path)  # a sampler on it fails at its next use
 
     def checkpoint_archive(self, user_id: str, path: str) -> Path:
         """A tar archive of the checkpoint folder (built once, then served with ranges)."""

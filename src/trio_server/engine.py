@@ -10,7 +10,7 @@ Runs are named by their run id; checkpoints and snapshots by folders and files u
 the data dir, which every engine process must see (one machine, or a shared file
 system). After every ``optim_step``, ``load_state`` and ``create_adapter`` the engine
 writes the run's snapshot in the background (see ``SnapshotWriter``), so a run whose
-engine died comes back from its last completed step through ``ensure_resident``.
+engine died comes back from its last completed step on its next request.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from trio_engine import (
     ForwardJob,
     ForwardResult,
     LoraConfig,
+    ModelHost,
     SampleRequest,
     SampleResult,
 )
@@ -90,17 +91,19 @@ def failure_from(exc: BaseException) -> Failure:
 
 
 class Engine(Protocol):
-    """One base model's host, wherever it runs. Every method may block (call from a worker)."""
+    """One base model's host, wherever it runs. Every method may block: one caller at a time
+    (the base model's worker thread), except ``tokenizer_files``.
+
+    A method given a run id that is not in memory (offloaded, or lost with a crashed
+    process) first restores the run from its snapshot; with none, it raises
+    ``AdapterNotFoundError``. A sampler's weights are named by their checkpoint folder.
+    """
 
     def load(self) -> dict[str, Any]:
         """Load the model if not yet loaded; return model info. Raises if it cannot load."""
         ...
 
     def tokenizer_files(self) -> dict[str, str]: ...
-
-    def ensure_resident(self, run_ids: list[str]) -> None:
-        """Bring runs that are not in memory back from their snapshots (offloaded, or lost in a crash)."""
-        ...
 
     def create_adapter(self, run_id: str, config: LoraConfig) -> None: ...
 
@@ -120,10 +123,6 @@ class Engine(Protocol):
 
     def prepare_sampler(self, weights: str | None) -> None:
         """Load a sampler's weights now, so a bad checkpoint fails at creation."""
-        ...
-
-    def release_weights(self, folder: str) -> None:
-        """Forget sampler weights loaded from ``folder`` (it was deleted or replaced)."""
         ...
 
     def sample(self, jobs: list[SampleJob]) -> list[SampleResult | Failure]: ...
@@ -150,12 +149,13 @@ class SnapshotWriter:
 
     ``mark(run)`` asks for a snapshot and returns at once. While a run's snapshot is
     being written, further marks coalesce into one more write of the then-newest state.
+    At most one write per run is under way at any time.
     """
 
-    def __init__(self, host: Any, folder: str, enabled: bool = True):
+    def __init__(self, host: ModelHost, folder: str, enabled: bool = True):
         self.host, self.folder, self.enabled = host, folder, enabled
         self.dirty: OrderedDict[str, None] = OrderedDict()
-        self.writing: str | None = None
+        self.writing: set[str] = set()
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="trio-snapshots", daemon=True)
         self.thread.start()
@@ -168,59 +168,59 @@ class SnapshotWriter:
             self.cond.notify_all()
 
     def write_now(self, run_id: str, with_grads: bool = False) -> None:
-        """Write synchronously (replacing any pending write of the run)."""
+        """Write synchronously, replacing any pending write of the run."""
         with self.cond:
             self.dirty.pop(run_id, None)
-            self.cond.wait_for(lambda: self.writing != run_id)
-            self.writing = run_id
-        try:
-            self._write(run_id, with_grads)
-        finally:
-            with self.cond:
-                self.writing = None
-                self.cond.notify_all()
+            self.cond.wait_for(lambda: run_id not in self.writing)
+            self.writing.add(run_id)
+        self._write_and_release(run_id, with_grads)
 
     def flush(self) -> None:
         with self.cond:
-            self.cond.wait_for(lambda: not self.dirty and self.writing is None)
+            self.cond.wait_for(lambda: not self.dirty and not self.writing)
 
     def _loop(self) -> None:
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.dirty and self.writing is None)
-                run_id, _ = self.dirty.popitem(last=False)
-                self.writing = run_id
+                self.cond.wait_for(lambda: any(r not in self.writing for r in self.dirty))
+                run_id = next(r for r in self.dirty if r not in self.writing)
+                del self.dirty[run_id]
+                self.writing.add(run_id)
             try:
-                self._write(run_id, with_grads=False)
-            except Exception:  # a failed snapshot must not stop later ones
-                log.exception("snapshot of run %s failed", run_id)
-            finally:
-                with self.cond:
-                    self.writing = None
-                    self.cond.notify_all()
+                self._write_and_release(run_id, with_grads=False)
+            except Exception:  # a failed snapshot must not stop later ones; the next step retries
+                log.exception("snapshot of run %s failed; the run's previous snapshot stays", run_id)
 
-    def _write(self, run_id: str, with_grads: bool) -> None:
+    def _write_and_release(self, run_id: str, with_grads: bool) -> None:
         from trio_engine import snapshot
 
-        if run_id not in self.host.adapters:
-            return  # deleted meanwhile
-        snapshot.write(snapshot_path(self.folder, run_id), snapshot.capture(self.host, run_id, with_grads))
+        try:
+            if self.host.has_adapter(run_id):  # else deleted meanwhile
+                snapshot.write(snapshot_path(self.folder, run_id), snapshot.capture(self.host, run_id, with_grads))
+        finally:
+            with self.cond:
+                self.writing.discard(run_id)
+                self.cond.notify_all()
 
 
 class LocalEngine:
-    """A ModelHost in this process (loaded on first use), behind the Engine protocol."""
+    """A ModelHost in this process (loaded on first use), behind the Engine protocol.
+
+    Only the worker thread calls it (and ``tokenizer_files`` from a request thread);
+    the snapshot writer is its own thread and takes the host's lock to read a run.
+    """
 
     def __init__(self, base_model: str, settings: EngineSettings, labels: dict[str, str] | None = None):
         self.base_model = base_model
         self.settings = settings
         self.labels = labels or {}  # reported by load(), e.g. the Ray node an actor runs on
-        self._host: Any = None
+        self._host: ModelHost | None = None
         self._snapshots: SnapshotWriter | None = None
         self._load_lock = threading.Lock()
         self.sampler_adapters: OrderedDict[str, str] = OrderedDict()  # weights folder -> adapter id
 
     @property
-    def host(self) -> Any:
+    def host(self) -> ModelHost:
         with self._load_lock:
             if self._host is None:
                 from trio_engine import ModelHost
@@ -241,23 +241,28 @@ class LocalEngine:
         return info | {"pid": os.getpid(), "node": socket.gethostname()} | self.labels
 
     def tokenizer_files(self) -> dict[str, str]:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            self.host.tokenizer.save_pretrained(tmp)
-            return {p.name: p.read_text() for p in Path(tmp).iterdir() if p.is_file()}
+        return self.host.tokenizer_files()
 
     # -- runs ---------------------------------------------------------------------------
 
-    def ensure_resident(self, run_ids: list[str]) -> None:
+    def _resident(self, *run_ids: str | None) -> ModelHost:
+        """The host, with these runs in memory: restored from their snapshots if need be."""
         from trio_engine import snapshot
 
         host = self.host
         for run_id in dict.fromkeys(run_ids):
+            if run_id is None or host.has_adapter(run_id):
+                continue
             path = snapshot_path(self.settings.snapshot_dir, run_id)
-            if run_id not in host.adapters and path.exists():
-                snapshot.restore(host, run_id, snapshot.read(path))
-                log.info("run %s restored from its snapshot", run_id)
+            if path.exists():
+                snap = snapshot.read(path)
+                snapshot.restore(host, run_id, snap)
+                log.info("run %s restored from its snapshot at step %d", run_id, snap.step)
+                if any(k.startswith("grad.") for k in snap.tensors):
+                    # Pending grads now live in memory; a crash must not bring back these ones
+                    # beside later steps, so the file goes back to the completed step alone.
+                    self.snapshots.mark(run_id)
+        return host
 
     def create_adapter(self, run_id: str, config: LoraConfig) -> None:
         self.host.create_adapter(run_id, config)
@@ -271,10 +276,11 @@ class LocalEngine:
 
     def _forward(self, jobs: list[ForwardJob], backward: bool) -> list[ForwardResult | Failure]:
         host = self.host
-        results: list[ForwardResult | Failure | None] = [None] * len(jobs)
+        results: dict[int, ForwardResult | Failure] = {}
         valid = {}
         for k, job in enumerate(jobs):  # each job alone: one bad datum fails only its own request
             try:
+                self._resident(job.adapter_id)
                 host.validate_job(job)
                 valid[k] = job
             except Exception as exc:
@@ -286,40 +292,39 @@ class LocalEngine:
             except Exception as exc:
                 log.exception("forward%s failed", "_backward" if backward else "")
                 outs = [failure_from(exc)] * len(valid)
-            for k, out in zip(valid, outs):
-                results[k] = out
-        return [r for r in results if r is not None]
+            results.update(zip(valid, outs))
+        return [results[k] for k in range(len(jobs))]
 
     def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]:
-        metrics = self.host.optim_step(run_id, config)
+        metrics = self._resident(run_id).optim_step(run_id, config)
         self.snapshots.mark(run_id)
         return metrics
 
     def adapter_info(self, run_id: str) -> AdapterInfo:
-        adapter = self.host.adapters.get(run_id)
-        if adapter is None:
-            raise AdapterNotFoundError(run_id)
-        return AdapterInfo(adapter.config, adapter.optim.step)
+        config, step = self._resident(run_id).adapter_config(run_id)
+        return AdapterInfo(config, step)
 
     # -- checkpoints --------------------------------------------------------------------
 
     def save_state(self, run_id: str, folder: str) -> None:
-        self.host.save_state(run_id, folder)
-        self.release_weights(folder)
+        self._resident(run_id).save_state(run_id, folder)
+        self._forget_sampler(folder)
 
     def load_state(self, run_id: str, folder: str, with_optimizer: bool) -> LoraConfig:
-        self.host.load_state(run_id, folder, with_optimizer)
+        host = self.host
+        host.load_state(run_id, folder, with_optimizer)
         self.snapshots.mark(run_id)
-        return self.host.adapters[run_id].config
+        return host.adapter_config(run_id)[0]
 
     def save_sampler_weights(self, run_id: str, folder: str) -> None:
-        self.host.save_sampler_weights(run_id, folder)
-        self.release_weights(folder)
+        self._resident(run_id).save_sampler_weights(run_id, folder)
+        self._forget_sampler(folder)
 
     def offload(self, run_id: str) -> None:
-        # Only the worker thread calls the engine, so nothing changes the run in between.
+        if self._host is None or not self._host.has_adapter(run_id):
+            return
         self.snapshots.write_now(run_id, with_grads=True)
-        self.host.delete_adapter(run_id)
+        self._host.delete_adapter(run_id)
 
     def flush(self) -> None:
         if self._snapshots is not None:
@@ -329,25 +334,16 @@ class LocalEngine:
 
     def prepare_sampler(self, weights: str | None) -> None:
         self._sampler_adapter(weights)
-
-    def release_weights(self, folder: str) -> None:
-        if self._host is None:
-            return
-        with self._host.lock:  # may come from a request thread while the worker samples
-            adapter_id = self.sampler_adapters.pop(str(folder), None)
-            if adapter_id is not None:
-                self._host.delete_adapter(adapter_id)
+        self._trim_samplers()
 
     def sample(self, jobs: list[SampleJob]) -> list[SampleResult | Failure]:
-        from trio_engine.sampler import validate_request
-
         host = self.host
-        results: list[SampleResult | Failure | None] = [None] * len(jobs)
+        results: dict[int, SampleResult | Failure] = {}
         valid: dict[int, SampleRequest] = {}
         for k, job in enumerate(jobs):
             try:
                 job.request.adapter_id = self._sampler_adapter(job.weights)
-                validate_request(job.request, 0, host.vocab_size, host.max_seq_len)
+                host.validate_sample(job.request)
                 valid[k] = job.request
             except Exception as exc:
                 failure = failure_from(exc)
@@ -359,28 +355,27 @@ class LocalEngine:
             except Exception as exc:
                 log.exception("sample failed")
                 outs = [failure_from(exc)] * len(valid)
-            for k, out in zip(valid, outs):
-                results[k] = out
-        return [r for r in results if r is not None]
+            results.update(zip(valid, outs))
+        self._trim_samplers()  # after the batch: its own adapters stay loaded while it runs
+        return [results[k] for k in range(len(jobs))]
 
     def compute_logprobs(self, weights: str | None, tokens: list[int]) -> list[float | None]:
-        return self.host.compute_logprobs(self._sampler_adapter(weights), tokens)
+        logprobs = self.host.compute_logprobs(self._sampler_adapter(weights), tokens)
+        self._trim_samplers()
+        return logprobs
 
     def _sampler_adapter(self, weights: str | None) -> str | None:
-        """The host adapter serving some sampler weights: None for the base model (LRU)."""
+        """The host adapter serving some sampler weights: None for the base model."""
         if weights is None:
             return None
-        with self.host.lock:
-            return self._load_sampler_adapter(weights)
-
-    def _load_sampler_adapter(self, weights: str) -> str:
+        folder = Path(weights)
+        if not folder.exists():  # deleted since the sampler was made
+            self._forget_sampler(weights)
+            raise WeightsNotFoundError(f"model_path: the checkpoint {folder.name!r} no longer exists")
         cache = self.sampler_adapters
         if weights in cache:
             cache.move_to_end(weights)
             return cache[weights]
-        folder = Path(weights)
-        if not folder.exists():
-            raise WeightsNotFoundError(f"model_path: the checkpoint {folder.name!r} no longer exists")
         host = self.host
         adapter_id = "sampler-" + secrets.token_hex(6)
         if (folder / "adapter_config.json").exists():
@@ -388,10 +383,19 @@ class LocalEngine:
         else:
             host.load_state(adapter_id, str(folder), with_optimizer=False)
         cache[weights] = adapter_id
-        while len(cache) > self.settings.max_sampler_adapters:
-            _, evicted = cache.popitem(last=False)
-            host.delete_adapter(evicted)
         return adapter_id
+
+    def _trim_samplers(self) -> None:
+        """Keep at most ``max_sampler_adapters`` loaded, least recently used out first."""
+        while len(self.sampler_adapters) > self.settings.max_sampler_adapters:
+            _, evicted = self.sampler_adapters.popitem(last=False)
+            self.host.delete_adapter(evicted)
+
+    def _forget_sampler(self, folder: str) -> None:
+        """Weights in ``folder`` were replaced or deleted: a sampler on them reloads."""
+        adapter_id = self.sampler_adapters.pop(str(folder), None)
+        if adapter_id is not None:
+            self.host.delete_adapter(adapter_id)
 
     def close(self) -> None:
         self.flush()

@@ -69,11 +69,6 @@ def execute(ctx: Context, batch: list[WorkItem]) -> list[Result]:
     if error:  # a model that fails to load fails its requests, not the worker
         failed = ServiceError("server", f"loading {ctx.base_model}: {error.message}", 500)
         return [(None, failed)] * len(batch)
-    runs = [item.run_id for item in batch if item.run_id is not None]
-    if runs:
-        _, error = _guard(ctx.engine.ensure_resident, runs)
-        if error:
-            log.error("could not restore runs %s: %s", runs, error.message)
     if batch[0].op in ("forward", "forward_backward"):
         results = _forward(ctx, batch)
     elif batch[0].op == "sample":

@@ -11,10 +11,10 @@ Placement: on a cluster with GPUs (or with ``device`` cuda) each actor asks Ray 
 one GPU, and Ray's ``CUDA_VISIBLE_DEVICES`` makes it the actor's ``cuda``. A base
 model can be pinned to nodes that offer a custom resource (``ray start --resources``).
 
-Crashes: the actor restarts on its own (``max_restarts=-1``) with an empty model;
-``ensure_resident`` brings each run back from its snapshot on its next request. A call
-that was running when the actor died fails with a clear restart error, unless it only
-reads state: those are retried on the restarted actor.
+Crashes: the actor restarts on its own (``max_restarts=-1``) with an empty model, and
+each run comes back from its snapshot on its next request. A call that was running
+when the actor died fails with a clear restart error, unless it only reads state:
+those are retried on the restarted actor.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ log = logging.getLogger("trio.server")
 
 HOST_RESTART_MESSAGE = "the model host restarted while this request was in flight; submit it again"
 # Calls that change nothing on the host: safe to run again on a restarted actor.
-RETRY_SAFE = {"load", "tokenizer_files", "ensure_resident", "forward", "adapter_info", "prepare_sampler",
-              "release_weights", "sample", "compute_logprobs", "flush"}
+RETRY_SAFE = {"load", "tokenizer_files", "forward", "adapter_info", "prepare_sampler", "sample",
+              "compute_logprobs", "flush"}
 RESTART_WAIT_SECONDS = 120.0
 
 
@@ -65,6 +65,17 @@ def connect(address: str | None) -> None:
              configure_logging=False, _node_ip_address="127.0.0.1" if address is None else None)
     where = address or "a local instance"
     log.info("joined Ray (%s) in %.1f s: %s", where, time.monotonic() - started, ray.cluster_resources())
+
+
+def check_cluster(device: str | None, placement: dict[str, str]) -> None:
+    """Fail at start-up, not at the first request, when no node could host an actor."""
+    resources = ray.cluster_resources()
+    if wants_gpu(device) and resources.get("GPU", 0) < 1:
+        raise ValueError(f"device: {device!r} needs a GPU, and this Ray cluster has none ({resources})")
+    for model, resource in placement.items():
+        if resources.get(resource, 0) <= 0:
+            raise ValueError(f"ray_placement: no node of this Ray cluster offers the resource {resource!r} "
+                             f"that {model!r} is pinned to (ray start --resources)")
 
 
 def wants_gpu(device: str | None) -> bool:
@@ -121,9 +132,6 @@ class RayEngine:
     def tokenizer_files(self) -> dict[str, str]:
         return self._call("tokenizer_files")
 
-    def ensure_resident(self, run_ids: list[str]) -> None:
-        self._call("ensure_resident", run_ids)
-
     def create_adapter(self, run_id: str, config: LoraConfig) -> None:
         self._call("create_adapter", run_id, config)
 
@@ -151,9 +159,6 @@ class RayEngine:
     def prepare_sampler(self, weights: str | None) -> None:
         self._call("prepare_sampler", weights)
 
-    def release_weights(self, folder: str) -> None:
-        self._call("release_weights", folder)
-
     def sample(self, jobs: list[SampleJob]) -> list[SampleResult | Failure]:
         return self._call("sample", jobs)
 
@@ -167,8 +172,10 @@ class RayEngine:
         self._call("flush")
 
     def close(self) -> None:
-        try:
-            self.flush()
+        try:  # let pending snapshots land, but do not wait on an actor that is gone
+            ray.get(self.actor.call.remote("flush"), timeout=60)
+        except Exception as exc:
+            log.warning("host actor of %s: snapshots not flushed at close: %s", self.base_model, exc)
         finally:
             ray.kill(self.actor, no_restart=True)
 

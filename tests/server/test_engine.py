@@ -46,7 +46,7 @@ def test_marks_during_a_write_coalesce_into_one_more_write_of_the_newest_state(e
     writer = engine.snapshots
     with engine.host.lock:  # the writer's capture waits for the lock: a write in flight
         writer.mark("run-a")
-        wait_until(lambda: writer.writing == "run-a", "the writer to start")
+        wait_until(lambda: "run-a" in writer.writing, "the writer to start")
         for _ in range(5):
             writer.mark("run-a")
     engine.flush()
@@ -67,8 +67,7 @@ def test_a_new_engine_resumes_runs_from_their_snapshots(engine, tmp_path):
     want = engine.forward([job("run-b", (3, 1, 4, 1, 5, 9, 2))])[0]
 
     restarted = LocalEngine(MODEL, engine.settings)  # as after a crash: nothing in memory
-    restarted.ensure_resident(["run-b", "never-existed"])
-    assert restarted.adapter_info("run-b").step == 2
+    assert restarted.adapter_info("run-b").step == 2  # restored on first use
     got = restarted.forward([job("run-b", (3, 1, 4, 1, 5, 9, 2))])[0]
     assert got.logprobs[0] == pytest.approx(want.logprobs[0], abs=1e-6)
     missing = restarted.forward([job("never-existed")])[0]
@@ -91,8 +90,34 @@ def test_offload_frees_memory_and_keeps_pending_grads(engine):
     engine.forward_backward([job("run-d")])  # pending
     grads = {k: p.grad.clone() for k, p in engine.host.adapter_params("run-d").items()}
     engine.offload("run-d")
-    assert "run-d" not in engine.host.adapters
-    engine.ensure_resident(["run-d"])
+    assert not engine.host.has_adapter("run-d")
+    assert engine.adapter_info("run-d").step == 1  # back on first use
     for k, p in engine.host.adapter_params("run-d").items():
         assert p.grad is not None and bool((p.grad == grads[k]).all()), k
+    engine.flush()  # the grads are in memory again; the file returns to the completed step alone
+    on_disk = snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-d"))
+    assert on_disk.step == 1 and not any(k.startswith("grad.") for k in on_disk.tensors)
 
+
+def test_a_batch_keeps_all_its_sampler_weights_loaded_and_deleted_weights_fail(engine, tmp_path):
+    import dataclasses
+
+    from trio_engine import SampleRequest, SamplingConfig
+    from trio_server.engine import SampleJob
+
+    engine.settings = dataclasses.replace(engine.settings, max_sampler_adapters=1)
+    folders = []
+    for k in range(3):
+        engine.create_adapter(f"run-s{k}", LoraConfig(rank=2, seed=k))
+        folders.append(str(tmp_path / f"weights-{k}"))
+        engine.save_sampler_weights(f"run-s{k}", folders[-1])
+    config = SamplingConfig(max_tokens=3, temperature=0.0)
+    outs = engine.sample([SampleJob(f, SampleRequest(None, [1, 5, 9], 1, config)) for f in folders])
+    assert not any(isinstance(o, Failure) for o in outs), outs
+    assert len(engine.sampler_adapters) == 1  # trimmed after the batch
+
+    import shutil
+
+    shutil.rmtree(folders[2])
+    gone = engine.sample([SampleJob(folders[2], SampleRequest(None, [1, 5, 9], 1, config))])[0]
+    assert isinstance(gone, Failure) and gone.category == "not_found" and "weights-2" in gone.message

@@ -8,12 +8,14 @@ node. Compared against the in-process engine, never against earlier output.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,29 +36,45 @@ def ray_cli(*args: str, env: dict[str, str]) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+def stop_cluster(temp_dir: str) -> None:
+    """End this cluster's processes only (``ray stop`` would end every Ray on the machine)."""
+    import psutil
+
+    roots = [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
+    # with their children: agents rename themselves (ray::DashboardAgent), hiding the path
+    ours = list({p.pid: p for root in roots for p in (root, *root.children(recursive=True))}.values())
+    for proc in ours:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(ours, timeout=30)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """(address, node id of the second node); Ray stopped afterwards."""
+def ray_cluster():
+    """(address, node id of the second node); the cluster's processes are ended afterwards."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
     port = 20000 + secrets.randbelow(20000)
+    temp_dir = tempfile.mkdtemp(prefix="trio-ray-", dir="/tmp")  # short: Ray puts sockets below it
     # Loopback only, and no token: these nodes exist for this test on this machine. A real
     # cluster runs with RAY_AUTH_MODE=token (docs/scaling.md).
     env = os.environ | {"RAY_AUTH_MODE": "disabled"}
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--object-store-memory=200000000",
               "--disable-usage-stats"]
-    ray_cli("start", "--head", f"--port={port}", "--include-dashboard=false", *common, env=env)
     address = f"127.0.0.1:{port}"
     try:
+        ray_cli("start", "--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false",
+                *common, env=env)
         ray_cli("start", f"--address={address}", f'--resources={{"{NODE_B}": 1}}', *common, env=env)
         ray.init(address=address, namespace="trio", _node_ip_address="127.0.0.1")
         node_b = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and NODE_B in n["Resources"])
         yield address, node_b
     finally:
         ray.shutdown()
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_cluster(temp_dir)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,33 @@
+"""The ``trio`` command's argument checks and its listening socket."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from trio_server.cli import build_parser, listen
+
+
+def test_listening_socket_reports_its_port_and_disables_nagle():
+    sock = listen("127.0.0.1", 0)
+    try:
+        assert sock.getsockname()[1] > 0
+        # accepted connections inherit this; without it small requests wait ~40 ms
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        sock.close()
+
+
+def test_serve_flags():
+    args = build_parser().parse_args(["serve", "--engine", "ray", "--device", "cuda:1",
+                                      "--ray-place", "org/model=gpu_a100", "--ray-place", "m2=x"])
+    assert (args.engine, args.device, args.ray_place) == ("ray", "cuda:1", [("org/model", "gpu_a100"), ("m2", "x")])
+
+
+@pytest.mark.parametrize("argv", [["--device", "gpu"], ["--device", "cuda:x"], ["--engine", "spark"],
+                                  ["--ray-place", "no-resource"]])
+def test_bad_serve_flags_name_the_value(argv, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *argv])
+    assert argv[1] in capsys.readouterr().err
