@@ -68,8 +68,9 @@ _BY_CATEGORY = {cls.category: cls for cls in (ValidationError, AuthenticationErr
 _BY_STATUS = {400: ValidationError, 401: AuthenticationError, 403: AuthenticationError, 404: NotFoundError, 413: ValidationError, 422: ValidationError, 429: CapacityError}
 
 
-def error_from_category(category: str, message: str, request_id: str | None = None) -> TrioError:
-    return _BY_CATEGORY.get(category, ServerError)(message, request_id)
+def error_from_category(category: str, message: str, request_id: str | None = None,
+                        status: int | None = None) -> TrioError:
+    return _BY_CATEGORY.get(category, ServerError)(message, request_id, status)
 
 
 def error_from_status(status: int, message: str, request_id: str | None = None) -> TrioError:

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from .errors import ConnectionError as TrioConnectionError
 from .errors import TimeoutError as TrioTimeoutError
-from .errors import error_from_category
+from .errors import TrioError, error_from_category
 from .futures import on_background
 from .transport import Transport
 from .types import FutureResponse
@@ -62,6 +62,9 @@ class Session:
                     raise
                 await asyncio.sleep(delay)
                 delay = min(2.0, delay * 2)
+            except TrioError as exc:  # whatever else stops the wait, the caller learns which request
+                exc.request_id = exc.request_id or request_id
+                raise
 
     async def _submit(self, op: str, body: dict[str, Any]) -> str:
         """Retries reuse one idempotency key, so a retried submit never runs twice."""

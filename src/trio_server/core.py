@@ -202,6 +202,8 @@ class ServiceCore:
         future = self.futures.get(request_id)
         if future is None or self.owners.get(request_id) != user_id:
             return self._stored_outcome(user_id, request_id)
+        if future.done():  # also for timeout=0, which wait_for would cancel before looking
+            return future.result()
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
         except asyncio.TimeoutError:

@@ -215,6 +215,7 @@ def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:
 def _load_weights(ctx: Context, item: WorkItem) -> t.LoadWeightsResponse:
     req: t.LoadWeightsRequest = item.request
     ctx.engine.load_state(req.model_id, ctx.checkpoint_folder(req.path), req.with_optimizer)
+    ctx.store.update(runs_table, "run_id", req.model_id, step=ctx.engine.adapter_info(req.model_id).step)
     return t.LoadWeightsResponse(path=req.path)
 
 

@@ -16,10 +16,41 @@ def plain_model(name: str):
     return model
 
 
+def merged_model(host, adapter_id: str | None):
+    """A plain copy of ``host``'s base model with an adapter merged in by hand.
+
+    Every targeted linear layer gets ``W = W0 + (alpha / r) · B @ A`` from the adapter's
+    current tensors; no LoRA wrapper, routing or scale of ours is involved. ``None``:
+    the plain base model.
+    """
+    model = plain_model(host.model_name)
+    if adapter_id is None:
+        return model
+    config, _ = host.adapter_config(adapter_id)
+    scale = config.alpha / config.rank
+    tensors = {k: v.detach().to("cpu", torch.float32) for k, v in host.adapter_params(adapter_id).items()}
+    assert tensors, "the adapter has no tensors"
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if key.endswith(".lora_A"):
+                path = key[: -len(".lora_A")]
+                layer = model.get_submodule(path)
+                assert isinstance(layer, torch.nn.Linear), path
+                layer.weight += scale * (tensors[path + ".lora_B"] @ a)
+    return model
+
+
 def reference_logprobs(model, tokens: list[int], targets: list[int]) -> torch.Tensor:
     """log p(target_t | tokens_<=t) from a plain transformers forward."""
-    logits = model(input_ids=torch.tensor([tokens])).logits[0].float()  # (T, V)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()  # (T, V)
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(targets)[:, None])[:, 0]
+
+
+def reference_next_logits(model, prompt: list[int]) -> torch.Tensor:
+    """The plain model's logits (V,) for the token after ``prompt``."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
 
 
 def random_example(vocab: int, length: int, rng: random.Random, **extra) -> Example:

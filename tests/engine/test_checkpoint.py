@@ -37,14 +37,39 @@ def test_resume_equals_straight_training(tiny_host, new_id, tmp_path):
 
 
 def test_load_without_optimizer_resets_moments(tiny_host, new_id, tmp_path):
+    """Weights only: no step, no moments, and the next step is torch's first AdamW step."""
     aid = new_id()
     tiny_host.create_adapter(aid, LoraConfig(rank=2))
-    _train(tiny_host, aid, [random_example(tiny_host.vocab_size, 4, random.Random(0))], 2)
+    data = [random_example(tiny_host.vocab_size, 4, random.Random(0))]
+    _train(tiny_host, aid, data, 2)
+    moments = tiny_host.adapters[aid].optim
+    assert moments.step == 2 and any(v.abs().sum() > 0 for v in moments.exp_avg.values())
     tiny_host.save_state(aid, tmp_path)
-    tiny_host.load_state(aid + "-w", str(tmp_path), with_optimizer=False)
-    assert tiny_host.adapters[aid + "-w"].optim.step == 0
-    for k, p in tiny_host.adapter_params(aid).items():
-        assert torch.equal(tiny_host.adapter_params(aid + "-w")[k], p)
+    saved = {k: p.detach().clone() for k, p in tiny_host.adapter_params(aid).items()}
+    _train(tiny_host, aid, data, 1)  # the run moves past the checkpoint
+
+    # into a new adapter, and into the trained one (its moments must not survive)
+    for target in (aid + "-w", aid):
+        tiny_host.load_state(target, str(tmp_path), with_optimizer=False)
+        optim = tiny_host.adapters[target].optim
+        assert optim.step == 0
+        assert all(not v.any() for v in (*optim.exp_avg.values(), *optim.exp_avg_sq.values()))
+        params = tiny_host.adapter_params(target)
+        assert params.keys() == saved.keys()
+        assert all(torch.equal(params[k], saved[k]) for k in saved)
+
+        ref = {k: v.clone().requires_grad_(True) for k, v in saved.items()}
+        torch_adamw = torch.optim.AdamW(list(ref.values()), lr=CFG.learning_rate, betas=(CFG.beta1, CFG.beta2),
+                                        eps=CFG.eps, weight_decay=CFG.weight_decay)
+        tiny_host.forward_backward([ForwardJob(target, data)])
+        for k, p in params.items():
+            ref[k].grad = None if p.grad is None else p.grad.clone()
+        assert any(g.grad is not None and g.grad.abs().sum() > 0 for g in ref.values())
+        metrics = tiny_host.optim_step(target, CFG)
+        torch_adamw.step()
+        assert metrics["step"] == 1.0
+        for k, p in tiny_host.adapter_params(target).items():
+            torch.testing.assert_close(p, ref[k].detach(), atol=1e-6, rtol=1e-5)
 
 
 def test_peft_loads_our_sampler_weights(tiny_host, new_id, tmp_path):

@@ -1,74 +1,157 @@
-"""Each built-in loss against its formula written out by hand, value and gradient."""
+"""Each built-in loss against its formula written out by hand, value and gradient.
+
+The data are built from chosen importance ratios r = exp(logp - q), so that every branch
+of the clipped losses is taken by some weighted token: for PPO, a positive advantage
+above the upper bound (clipped: constant loss, zero gradient), a negative advantage
+below the lower bound (clipped), and the unclipped cases outside the bounds (positive
+advantage below, negative above) and inside them.
+"""
 
 import math
+import random
 
 import pytest
 import torch
 
-from trio_engine import losses
+from trio_engine import Example, ForwardJob, losses
 
-torch.manual_seed(0)
-N = 9
-LOGP = -torch.rand(N, dtype=torch.float64) * 3
-Q = LOGP + torch.randn(N, dtype=torch.float64) * 0.4
-A = torch.randn(N, dtype=torch.float64)
-W = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 1], dtype=torch.float64)
+N = 12
+#                    0     1     2     3     4     5     6     7     8     9     10    11
+R = torch.tensor([0.5, 0.6, 0.92, 1.1, 1.4, 1.7, 0.55, 0.95, 1.5, 2.0, 0.7, 1.3], dtype=torch.float64)
+A = torch.tensor([0.8, -1.2, 0.5, -0.3, 1.1, -0.9, -0.6, 0.4, 0.7, -1.5, 1.3, 0.2], dtype=torch.float64)
+W = torch.tensor([1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 0.5], dtype=torch.float64)
+LOGP = -(torch.rand(N, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3 + 0.1)
+Q = LOGP - torch.log(R)  # so that exp(LOGP - Q) == R
 INPUTS = {"logprobs": Q, "advantages": A, "weights": W}
+CFGS = [{}, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}]
+
+# Which tokens PPO clips, written out (not computed): with the default bounds (0.8, 1.2)
+# and with (0.9, 1.05) the same tokens are clipped. Tokens 8 and 9 have weight 0.
+PPO_CLIP_HIGH = [0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 1]  # A > 0 and r > high: 4, 8, 11
+PPO_CLIP_LOW = [0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]  # A < 0 and r < low: 1, 6
+
+
+def bounds(cfg):
+    return cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
 
 
 def by_hand(name, lp, cfg):
     out = []
+    lo, hi = bounds(cfg)
     for t in range(N):
-        r = math.exp(lp[t] - Q[t])
-        lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
+        q, a = float(Q[t]), float(A[t])
+        r = math.exp(lp[t] - q)
         if name == "cross_entropy":
             v = -lp[t]
         elif name == "importance_sampling":
-            v = -r * A[t]
+            v = -r * a
         elif name == "ppo":
-            v = -min(r * A[t], min(max(r, lo), hi) * A[t])
+            v = -min(r * a, min(max(r, lo), hi) * a)
         elif name == "cispo":
-            v = -min(max(r, lo), hi) * A[t] * lp[t]
+            v = -min(max(r, lo), hi) * a * lp[t]
         elif name == "dro":
-            v = -(A[t] * lp[t] - 0.5 * cfg.get("beta", 0.05) * (lp[t] - Q[t]) ** 2)
-        out.append(W[t] * v)
+            v = -(a * lp[t] - 0.5 * cfg.get("beta", 0.05) * (lp[t] - q) ** 2)
+        out.append(float(W[t]) * v)
     return out
 
 
+def ppo_gradient_by_hand(cfg):
+    """dL_t/dlogp_t = -w·r·A where the unclipped term is the minimum, and 0 where clipped."""
+    lo, hi = bounds(cfg)
+    grad = []
+    for t in range(N):
+        r, a, w = float(R[t]), float(A[t]), float(W[t])
+        clipped = (a > 0 and r > hi) or (a < 0 and r < lo)
+        grad.append(0.0 if clipped else -w * r * a)
+    return torch.tensor(grad, dtype=torch.float64)
+
+
+def test_data_take_every_ppo_branch():
+    """Guard: the data above really exercise each case on tokens with non-zero weight."""
+    for cfg in CFGS:
+        lo, hi = bounds(cfg)
+        w = W != 0
+        cases = {
+            "A>0, r>high (clipped)": (A > 0) & (R > hi),
+            "A<0, r<low (clipped)": (A < 0) & (R < lo),
+            "A>0, r<low (unclipped)": (A > 0) & (R < lo),
+            "A<0, r>high (unclipped)": (A < 0) & (R > hi),
+            "low<r<high": (R > lo) & (R < hi),
+        }
+        for case, mask in cases.items():
+            assert bool((mask & w).any()), (cfg, case)
+        # no ratio sits on a bound, where the gradient is ambiguous
+        assert float((R - lo).abs().min()) > 0.01 and float((R - hi).abs().min()) > 0.01
+
+
 @pytest.mark.parametrize("name", sorted(losses.LOSSES))
-@pytest.mark.parametrize("cfg", [{}, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}])
+@pytest.mark.parametrize("cfg", CFGS)
 def test_loss_value(name, cfg):
     cfg = {k: v for k, v in cfg.items() if k in losses.LOSSES[name].config_keys}
     loss, _ = losses.LOSSES[name].fn(LOGP, INPUTS, cfg)
-    expected = torch.tensor([float(v) for v in by_hand(name, LOGP.tolist(), cfg)], dtype=torch.float64)
+    expected = torch.tensor(by_hand(name, LOGP.tolist(), cfg), dtype=torch.float64)
     torch.testing.assert_close(loss, expected, atol=1e-12, rtol=1e-10)
 
 
 @pytest.mark.parametrize("name", ["importance_sampling", "ppo", "dro"])
-def test_loss_gradient_matches_finite_differences(name):
+@pytest.mark.parametrize("cfg", CFGS)
+def test_loss_gradient_matches_finite_differences(name, cfg):
+    cfg = {k: v for k, v in cfg.items() if k in losses.LOSSES[name].config_keys}
     lp = LOGP.clone().requires_grad_(True)
-    loss, _ = losses.LOSSES[name].fn(lp, INPUTS, {})
+    loss, _ = losses.LOSSES[name].fn(lp, INPUTS, cfg)
     (grad,) = torch.autograd.grad(loss.sum(), lp)
     eps = 1e-6
     for t in range(N):
         plus, minus = LOGP.tolist(), LOGP.tolist()
         plus[t] += eps
         minus[t] -= eps
-        fd = (sum(by_hand(name, plus, {})) - sum(by_hand(name, minus, {}))) / (2 * eps)
-        assert abs(float(grad[t]) - float(fd)) < 1e-5
+        fd = (sum(by_hand(name, plus, cfg)) - sum(by_hand(name, minus, cfg))) / (2 * eps)
+        assert abs(float(grad[t]) - fd) < 1e-5, (t, float(grad[t]), fd)
+
+
+@pytest.mark.parametrize("cfg", CFGS)
+def test_ppo_gradient_is_zero_exactly_where_clipped(cfg):
+    lp = LOGP.clone().requires_grad_(True)
+    loss, _ = losses.ppo(lp, INPUTS, cfg)
+    (grad,) = torch.autograd.grad(loss.sum(), lp)
+    torch.testing.assert_close(grad, ppo_gradient_by_hand(cfg), atol=1e-12, rtol=1e-10)
+    clipped = torch.tensor(PPO_CLIP_HIGH) + torch.tensor(PPO_CLIP_LOW) > 0
+    assert bool((grad[clipped] == 0).all())
+    assert bool((grad[~clipped & (W != 0)] != 0).all())
 
 
 def test_cispo_gradient_is_detached_clipped_weight():
     """d/dlogp of CISPO is -w·clip(r)·A: the IS weight carries no gradient."""
     lp = LOGP.clone().requires_grad_(True)
-    loss, _ = losses.cispo(lp, INPUTS, {})
+    loss, metrics = losses.cispo(lp, INPUTS, {})
     (grad,) = torch.autograd.grad(loss.sum(), lp)
-    expected = -W * torch.exp(LOGP - Q).clamp(0.8, 1.2) * A
-    torch.testing.assert_close(grad, expected)
+    clipped_r = torch.tensor([0.8, 0.8, 0.92, 1.1, 1.2, 1.2, 0.8, 0.95, 1.2, 1.2, 0.8, 1.2], dtype=torch.float64)
+    torch.testing.assert_close(grad, -W * clipped_r * A)
+    assert metrics["clip_fraction"].tolist() == [1, 1, 0, 0, 1, 1, 1, 0, 1, 1, 1, 1]
 
 
-def test_ppo_clip_fractions():
-    _, metrics = losses.ppo(LOGP, INPUTS, {})
-    r = torch.exp(LOGP - Q)
-    assert metrics["clip_high_fraction"].tolist() == ((r > 1.2) & (A > 0)).double().tolist()
-    assert metrics["clip_low_fraction"].tolist() == ((r < 0.8) & (A < 0)).double().tolist()
+@pytest.mark.parametrize("cfg", CFGS)
+def test_ppo_clip_fractions(cfg):
+    _, metrics = losses.ppo(LOGP, INPUTS, cfg)
+    assert metrics["clip_high_fraction"].tolist() == PPO_CLIP_HIGH
+    assert metrics["clip_low_fraction"].tolist() == PPO_CLIP_LOW
+    torch.testing.assert_close(metrics["ratio"], R)
+
+
+def test_ppo_through_the_host_averages_clip_metrics_over_weighted_tokens(tiny_host):
+    """The host's PPO: per-token loss by the formula, clip fractions averaged over w != 0."""
+    rng = random.Random(3)
+    tokens = [rng.randrange(tiny_host.vocab_size) for _ in range(N + 1)]
+    plain = Example(tokens[:-1], {"target_tokens": tokens[1:]})
+    logp = torch.tensor(tiny_host.forward([ForwardJob(None, [plain])])[0].logprobs[0], dtype=torch.float64)
+    q = logp - torch.log(R)  # the sampler logprobs that give the ratios R
+    inputs = {"target_tokens": tokens[1:], "logprobs": q.tolist(), "advantages": A.tolist(), "weights": W.tolist()}
+    out = tiny_host.forward([ForwardJob(None, [Example(tokens[:-1], inputs)], "ppo")])[0]
+
+    expected = -W * torch.minimum(R * A, R.clamp(0.8, 1.2) * A)
+    torch.testing.assert_close(torch.tensor(out.elementwise_loss[0], dtype=torch.float64), expected,
+                               atol=1e-5, rtol=1e-5)
+    active = W != 0  # 10 tokens; clipped high among them: 4 and 11; clipped low: 1 and 6
+    assert out.metrics["clip_high_fraction:mean"] == pytest.approx(2 / 10)
+    assert out.metrics["clip_low_fraction:mean"] == pytest.approx(2 / 10)
+    assert out.metrics["ratio:mean"] == pytest.approx(float(R[active].mean()), rel=1e-5)

@@ -1,4 +1,4 @@
-"""Sampler: greedy vs a plain-transformers argmax loop, logprobs vs the trainer, stops, seeds."""
+"""Sampler vs plain transformers: greedy loops, logprobs, draws vs softmax(logits / T); stops, seeds."""
 
 import pytest
 import torch
@@ -12,16 +12,18 @@ from trio_engine import (
     SamplingConfig,
 )
 
-from .helpers import plain_model, randomize_adapter
+from .helpers import merged_model, randomize_adapter, reference_logprobs, reference_next_logits
 
 PROMPTS = [[1, 5, 9, 200, 31], [7, 7], [300, 2, 48, 1000, 5, 6, 90, 12]]
 
 
 def greedy_reference(model, prompt, n):
+    """n argmax steps of a plain transformers model, re-running the whole prefix each time."""
     tokens = list(prompt)
-    for _ in range(n):
-        logits = model(input_ids=torch.tensor([tokens])).logits[0, -1]
-        tokens.append(int(logits.argmax()))
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([tokens])).logits[0, -1]
+            tokens.append(int(logits.argmax()))
     return tokens[len(prompt):]
 
 
@@ -33,14 +35,27 @@ def adapted(tiny_host):
     return aid
 
 
-def test_greedy_matches_plain_argmax_loop(tiny_host):
+@pytest.fixture(scope="module")
+def reference_models(tiny_host, adapted):
+    """Plain transformers models: the base, and the base with ``adapted`` merged by hand."""
+    return {None: merged_model(tiny_host, None), adapted: merged_model(tiny_host, adapted)}
+
+
+@pytest.mark.parametrize("with_adapter", [False, True])
+def test_greedy_matches_plain_argmax_loop(tiny_host, adapted, reference_models, with_adapter):
+    aid = adapted if with_adapter else None
     greedy = SamplingConfig(max_tokens=6, temperature=0.0)
-    results = tiny_host.sample([SampleRequest(None, p, 2, greedy) for p in PROMPTS])
-    model = plain_model("trio/tiny-llama")
+    results = tiny_host.sample([SampleRequest(aid, p, 2, greedy) for p in PROMPTS])
     for prompt, result in zip(PROMPTS, results):
+        model = reference_models[aid]
         want = greedy_reference(model, prompt, 6)
+        assert len(result.sequences) == 2
         for seq in result.sequences:
-            assert seq.tokens[: len(want)] == want[: len(seq.tokens)]
+            # whole sequences, of the full length: an empty or short output fails here
+            assert seq.tokens == want and len(seq.tokens) == 6
+            assert seq.stop_reason == "length"
+            ref_lp = reference_logprobs(model, prompt + want[:-1], prompt[1:] + want)[-6:]
+            torch.testing.assert_close(torch.tensor(seq.logprobs), ref_lp, atol=1e-4, rtol=1e-4)
 
 
 def test_sampler_logprobs_equal_trainer_logprobs(tiny_host, adapted):
@@ -98,11 +113,121 @@ def test_stops(tiny_host):
     assert seq.text == tiny_host.tokenizer.decode(seq.tokens, skip_special_tokens=True)
 
 
-def test_compute_logprobs(tiny_host, adapted):
-    lps = tiny_host.compute_logprobs(adapted, PROMPTS[2])
-    assert lps[0] is None and len(lps) == len(PROMPTS[2])
-    res = tiny_host.sample([SampleRequest(adapted, PROMPTS[2], 1, SamplingConfig(max_tokens=1), prompt_logprobs=True)])
-    assert res[0].prompt_logprobs == lps
+@pytest.mark.parametrize("with_adapter", [False, True])
+def test_compute_logprobs_match_plain_forward(tiny_host, adapted, reference_models, with_adapter):
+    """compute_logprobs against a plain transformers forward (adapter merged by hand)."""
+    aid = adapted if with_adapter else None
+    for prompt in PROMPTS:
+        lps = tiny_host.compute_logprobs(aid, prompt)
+        assert lps[0] is None and len(lps) == len(prompt)
+        want = reference_logprobs(reference_models[aid], prompt[:-1], prompt[1:])
+        torch.testing.assert_close(torch.tensor(lps[1:]), want, atol=1e-5, rtol=1e-5)
+    assert tiny_host.compute_logprobs(aid, [42]) == [None]
+    if with_adapter:  # the adapter really changes these numbers
+        base = reference_logprobs(reference_models[None], PROMPTS[2][:-1], PROMPTS[2][1:])
+        assert not torch.allclose(torch.tensor(lps[1:]), base, atol=1e-2)
+    req = SampleRequest(aid, PROMPTS[2], 1, SamplingConfig(max_tokens=1), prompt_logprobs=True)
+    assert tiny_host.sample([req])[0].prompt_logprobs == lps
+
+
+# -- the distribution of draws ------------------------------------------------------------
+
+# The random-init tiny model's logits have a std of ~0.2 over 49k tokens: nearly uniform
+# at any temperature. An lm_head adapter with large B spreads them to a std of a few nats,
+# so that T visibly reshapes the next-token distribution.
+DIST_PROMPT = [1, 5, 9, 200, 31]
+DIST_SEEDS = (11, 12)  # one request of 1024 samples per seed
+DRAWS = 1024 * len(DIST_SEEDS)
+BIN_MASS = 0.02  # each bin of tokens holds >= 2% of the reference mass: >= 40 expected draws
+Z_MAX = 4.5  # tolerated |observed - expected| per bin, in binomial standard deviations
+
+
+@pytest.fixture(scope="module")
+def sharp(tiny_host):
+    """(adapter id, the plain merged model's next-token logits (V,) after DIST_PROMPT)."""
+    aid = "sampler-sharp"
+    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=2, train_attn=False, train_mlp=False))
+    randomize_adapter(tiny_host, aid, seed=7, scale=0.3)
+    return aid, reference_next_logits(merged_model(tiny_host, aid), DIST_PROMPT)
+
+
+def filtered_distribution(logits, temperature, top_k=-1, top_p=1.0):
+    """softmax(logits / T) kept on its top_k most likely tokens, then on the fewest most
+    likely of those whose renormalised mass reaches top_p; renormalised, float64 (V,)."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = torch.argsort(p, descending=True)
+    n = p.numel() if top_k <= 0 else min(top_k, p.numel())
+    if top_p < 1:
+        kept = p[order[:n]] / p[order[:n]].sum()
+        mass_before = torch.cumsum(kept, 0) - kept
+        assert float((mass_before - top_p).abs().min()) > 1e-4  # no token on the edge
+        n = int((mass_before < top_p).sum())
+    out = torch.zeros_like(p)
+    out[order[:n]] = p[order[:n]]
+    return out / out.sum()
+
+
+def rank_bins(p):
+    """Tokens of the support of p by decreasing probability, cut into consecutive groups
+    of at least BIN_MASS each (the last group takes what is left)."""
+    order = torch.argsort(p, descending=True)
+    order = order[p[order] > 0]
+    bins, start, mass = [], 0, 0.0
+    for i, x in enumerate(p[order].tolist()):
+        mass += x
+        if mass >= BIN_MASS:
+            bins.append(order[start : i + 1])
+            start, mass = i + 1, 0.0
+    if start < len(order):
+        if bins:
+            bins[-1] = torch.cat([bins[-1], order[start:]])
+        else:
+            bins.append(order[start:])
+    return bins
+
+
+def bin_z_scores(counts, p):
+    """(observed - expected) / binomial std of DRAWS draws from p, per rank bin of p."""
+    z = []
+    for b in rank_bins(p):
+        mass = float(p[b].sum())
+        if mass < 1 - 1e-9:
+            z.append((float(counts[b].sum()) - DRAWS * mass) / (DRAWS * mass * (1 - mass)) ** 0.5)
+    return torch.tensor(z)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(0.5, -1, 1.0), (2.0, -1, 1.0), (0.5, 40, 1.0), (2.0, 40, 1.0), (0.5, -1, 0.8), (2.0, 300, 0.7)],
+)
+def test_draws_follow_softmax_over_temperature(tiny_host, sharp, temperature, top_k, top_p):
+    """Many one-token draws match softmax(logits / T) (then top-k, top-p) of a plain forward."""
+    aid, logits = sharp
+    requests = [
+        SampleRequest(aid, DIST_PROMPT, DRAWS // len(DIST_SEEDS),
+                      SamplingConfig(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=s))
+        for s in DIST_SEEDS
+    ]
+    seqs = [seq for result in tiny_host.sample(requests) for seq in result.sequences]
+    drawn = torch.tensor([seq.tokens[0] for seq in seqs])
+    assert len(drawn) == DRAWS
+
+    want = filtered_distribution(logits, temperature, top_k, top_p)
+    counts = torch.bincount(drawn, minlength=want.numel()).double()
+    assert float(counts[want == 0].sum()) == 0  # nothing outside the top-k / top-p support
+    z = bin_z_scores(counts, want)
+    assert len(z) >= 2 and float(z.abs().max()) < Z_MAX, z
+
+    # The test has the power to see an ignored temperature: the draws such a sampler makes
+    # would land outside the support, or miss some bin's expected count by > 3 * Z_MAX.
+    ignored = filtered_distribution(logits, 1.0, top_k, top_p)
+    outside = DRAWS * float(ignored[want == 0].sum())
+    assert outside > 20 or float(bin_z_scores(DRAWS * ignored, want).abs().max()) > 3 * Z_MAX
+
+    # each draw's logprob is log p(token) under the model at temperature 1, whatever T
+    ref_lp = torch.log_softmax(logits.double(), -1)[drawn]
+    torch.testing.assert_close(torch.tensor([seq.logprobs[0] for seq in seqs], dtype=torch.float64), ref_lp,
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(

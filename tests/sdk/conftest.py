@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,21 +26,19 @@ def local_core(tmp_path_factory):
     core.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerThread:
-    """uvicorn in a daemon thread of this process, on a free loopback port."""
+    """uvicorn in a daemon thread of this process, on a port the OS picks (bound first,
+    so nothing else can take it between choosing and serving)."""
 
     def __init__(self, app):
         import uvicorn
 
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        from trio_server.cli import listen
+
+        sock = listen("127.0.0.1", 0)
+        self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:

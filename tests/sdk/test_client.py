@@ -76,22 +76,87 @@ def test_futures_and_async_twins(service):
 
 
 def test_custom_cross_entropy_gives_builtin_gradient(service):
+    """The custom path puts exactly the builtin gradient on the weights, not a multiple.
+
+    Adam's first step moves each weight by about lr·sign(g) whatever the gradient's
+    scale, so the weights after a step cannot tell; the step's grad_norm and the per-token
+    losses of the weighted cross-entropy the custom path sends can.
+    """
     builtin, custom = trainer(service, seed=3), trainer(service, seed=3)
-    data = [datum(), datum(TOKENS[:6])]
+    weights = [1.0, 0.5, 0.0, 2.0, 1.0, 1.0, 0.25, 1.0, 1.5]
+    data = [datum(weights=weights), datum(TOKENS[:6])]
 
     def ce(batch, logprobs):
         loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum() for d, lp in zip(batch, logprobs))
         return loss, {"custom_metric": 1.0}
 
     out_custom = custom.forward_backward_custom(data, ce)
-    custom.optim_step(trio.AdamParams(learning_rate=1e-2))
+    op_custom = custom.optim_step(trio.AdamParams(learning_rate=1e-2))
     out_builtin = builtin.forward_backward(data, "cross_entropy")
-    builtin.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
-    assert out_custom.result().metrics["loss:sum"] == pytest.approx(out_builtin.result().metrics["loss:sum"], rel=1e-5)
-    assert out_custom.result().metrics["custom_metric"] == 1.0
+    op_builtin = builtin.optim_step(trio.AdamParams(learning_rate=1e-2))
+    got, want = out_custom.result(), out_builtin.result()
+    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
+    assert got.metrics["custom_metric"] == 1.0
+    for a, b in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-6)
+        # cross_entropy with weights -dloss/dlogp: -w·logp per token, as the builtin's
+        np.testing.assert_allclose(a["elementwise_loss"].to_numpy(), b["elementwise_loss"].to_numpy(),
+                                   rtol=1e-5, atol=1e-6)
+    grad_custom, grad_builtin = op_custom.result().metrics["grad_norm"], op_builtin.result().metrics["grad_norm"]
+    assert grad_builtin > 0 and grad_custom == pytest.approx(grad_builtin, rel=1e-5)
     after = [tc.forward(data).result().loss_fn_outputs for tc in (custom, builtin)]
     for a, b in zip(*after):
         np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), atol=1e-5)
+
+
+def test_load_state_restores_a_run_that_moved_on(service):
+    """load_state / load_state_with_optimizer bring a run back to its checkpoint, and the
+    next step equals a step of a fresh client created from that checkpoint."""
+    data = [datum(), datum(TOKENS[:6])]
+    adam = trio.AdamParams(learning_rate=1e-2)
+
+    def logprobs(tc):
+        return [o["logprobs"].to_numpy() for o in tc.forward(data).result().loss_fn_outputs]
+
+    def step(tc):
+        tc.forward_backward(data)
+        return tc.optim_step(adam).result().metrics
+
+    def assert_same(a, b):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-6)
+
+    tc = trainer(service, seed=11)
+    for _ in range(2):
+        step(tc)
+    path = tc.save_state("mid").result().path
+    at_save = logprobs(tc)
+    for _ in range(2):
+        step(tc)
+    assert tc.get_info().step == 4
+    moved = logprobs(tc)
+    assert max(float(np.abs(x - y).max()) for x, y in zip(moved, at_save)) > 1e-3  # the run differs now
+
+    tc.load_state_with_optimizer(path).result()
+    assert tc.get_info().step == 2
+    assert_same(logprobs(tc), at_save)
+    fresh = service.create_training_client_from_state_with_optimizer(path)
+    got, want = step(tc), step(fresh)
+    assert got["step"] == want["step"] == 3.0
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    with_moments = logprobs(tc)
+    assert_same(with_moments, logprobs(fresh))
+
+    tc.load_state(path).result()  # weights only: the optimizer starts again
+    assert tc.get_info().step == 0
+    assert_same(logprobs(tc), at_save)
+    fresh = service.create_training_client_from_state(path)
+    got, want = step(tc), step(fresh)
+    assert got["step"] == want["step"] == 1.0
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    assert_same(logprobs(tc), logprobs(fresh))
+    # the moments mattered: a first step from the checkpoint differs from a third one
+    assert max(float(np.abs(x - y).max()) for x, y in zip(logprobs(tc), with_moments)) > 1e-4
 
 
 def test_checkpoints_resume_and_sample(service):

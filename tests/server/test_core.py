@@ -12,6 +12,14 @@ from trio_server.engine import snapshot_path
 MODEL = "trio/tiny-llama"
 
 
+def wait_until(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
 def test_forward_backward_of_different_runs_share_one_pass(tmp_path):
     core = ServiceCore(tmp_path, dtype="float32")
     svc = trio.ServiceClient(transport=LocalTransport(core))
@@ -28,10 +36,12 @@ def test_forward_backward_of_different_runs_share_one_pass(tmp_path):
     engine.forward_backward = spy
     toks = list(range(1, 9))
     d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+    worker = core.workers[MODEL]
     with host.lock:  # keep the worker busy so all three queue up
         blocker = runs[0].forward([d])
+        wait_until(lambda: bool(worker.running), "the blocker to run")
         futures = [tc.forward_backward([d]) for tc in runs]
-        time.sleep(0.5)
+        wait_until(lambda: len(worker.snapshot()) == 3, "all three to queue")
     blocker.result()
     results = [f.result() for f in futures]
     assert calls == [3], calls
@@ -99,7 +109,18 @@ def test_concurrent_retries_with_one_key_run_once(tmp_path):
         return route(item)
 
     core._route = slow_route
+    engine = core.workers[MODEL].engine
+    executed: list[str] = []
+    real_step = engine.optim_step
+
+    def counting_step(run_id, config):
+        executed.append(run_id)
+        return real_step(run_id, config)
+
+    engine.optim_step = counting_step
     with cf.ThreadPoolExecutor(8) as pool:
         ids = set(pool.map(lambda _: core.submit("local", "optim_step", body, "same-key"), range(16)))
     assert len(ids) == 1
+    tc.get_info()  # ordered after the optim_step: it has run by now
+    assert executed == [tc.model_id]  # one request id, and one execution
     core.close()

@@ -81,31 +81,42 @@ class HttpTransport:
         await self._request("DELETE", "/checkpoints", params={"path": path})
 
     async def download_checkpoint(self, path: str, dest: Path, progress: bool) -> Path:
-        """Stream the archive to ``<dest>.part``, resuming from its size with a Range request."""
+        """Stream the archive to ``<dest>.part``, resuming from its size with a Range request.
+
+        A resume names the archive it continues (``If-Range`` with the ETag saved beside
+        the part): if the checkpoint was saved again since, the server sends the whole new
+        archive instead of splicing two. A part that already holds every byte (416) is done.
+        """
         from tqdm import tqdm
 
         name = path.removeprefix("trio://").replace("/", "-") + ".tar"
         target = dest / name if dest.is_dir() else dest
         partial = target.with_name(target.name + ".part")
-        start = partial.stat().st_size if partial.exists() else 0
-        headers = {"Range": f"bytes={start}-"} if start else {}
+        etag_file = target.with_name(target.name + ".part.etag")
+        start = partial.stat().st_size if partial.exists() and etag_file.exists() else 0
+        headers = {"Range": f"bytes={start}-", "If-Range": etag_file.read_text()} if start else {}
         try:
             async with self.client.stream("GET", API + "/checkpoints/archive", params={"path": path}, headers=headers) as r:
-                if r.status_code >= 400:
+                if r.status_code == 416 and r.headers.get("content-range") == f"bytes */{start}":
+                    pass  # the part is the whole archive: an earlier call stopped after the last byte
+                elif r.status_code >= 400:
                     await r.aread()
                     raise _error(r)
-                if r.status_code != 206:  # the server sent the whole file
-                    start = 0
-                total = start + int(r.headers.get("content-length", 0))
-                with open(partial, "ab" if start else "wb") as f, tqdm(
-                    total=total, initial=start, unit="B", unit_scale=True, desc=name, disable=not progress
-                ) as bar:
-                    async for chunk in r.aiter_bytes():
-                        f.write(chunk)
-                        bar.update(len(chunk))
+                else:
+                    if r.status_code != 206:  # the server sent the whole (maybe new) file
+                        start = 0
+                    etag_file.write_text(r.headers.get("etag", ""))
+                    total = start + int(r.headers.get("content-length", 0))
+                    with open(partial, "ab" if start else "wb") as f, tqdm(
+                        total=total, initial=start, unit="B", unit_scale=True, desc=name, disable=not progress
+                    ) as bar:
+                        async for chunk in r.aiter_bytes():
+                            f.write(chunk)
+                            bar.update(len(chunk))
         except httpx.TransportError as exc:
             raise TrioConnectionError(f"download of {path} interrupted; call again to resume ({exc})") from exc
         partial.replace(target)
+        etag_file.unlink(missing_ok=True)
         return target
 
     async def close(self) -> None:
@@ -120,6 +131,6 @@ _CHECKPOINTS = TypeAdapter(list[Checkpoint])
 def _error(response: httpx.Response) -> Exception:
     try:
         info = response.json()["error"]
-        return error_from_category(info["category"], info["message"])
+        return error_from_category(info["category"], info["message"], status=response.status_code)
     except Exception:
         return error_from_status(response.status_code, response.text[:500] or response.reason_phrase)

@@ -1,0 +1,275 @@
+"""Session's request cycle over a flaky in-memory transport: retried submits reuse their
+idempotency key (so a retry never runs twice), transient failures are ridden out for
+RECONNECT_SECONDS and then raised with the request id, other errors are not retried.
+
+Time is faked: Session's clock and sleep are replaced by a clock that advances only when
+Session sleeps, so the tests take no real time and do not depend on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import pytrio as trio
+from pytrio import session as session_mod
+from pytrio import types as t
+from pytrio.errors import ConnectionError as TrioConnectionError
+from pytrio.errors import TimeoutError as TrioTimeoutError
+from pytrio.session import Session
+
+MODEL = "trio/tiny-llama"
+WAIT = 5.0  # real seconds; a bound for broken tests, never reached by passing ones
+FOREVER = 10**9
+
+
+class FlakyTransport:
+    """The Transport protocol in memory, with the service's idempotency: a submit whose
+    key was seen before answers the first request id and does not run again.
+
+    Args:
+        refused: submits that fail before reaching the service (connection refused).
+        lost_replies: submits that reach the service but whose reply is lost.
+        retrieve_down: polls that fail with ``retrieve_error`` before one gets through.
+        pending: polls answered "pending" before the outcome.
+        outcome: ("done", result) or ("failed", (category, message)).
+        outage: while this returns True, submits are refused as well.
+        submit_error / retrieve_raises: a non-transient error to raise on every call.
+    """
+
+    def __init__(
+        self,
+        refused: int = 0,
+        outage: Callable[[], bool] = lambda: False,
+        lost_replies: int = 0,
+        retrieve_down: int = 0,
+        retrieve_error: type[trio.TrioError] = TrioConnectionError,
+        pending: int = 0,
+        outcome: tuple[str, Any] = ("done", {"metrics": {"step": 1.0}}),
+        submit_error: trio.TrioError | None = None,
+        retrieve_raises: trio.TrioError | None = None,
+    ):
+        self.refused, self.outage, self.lost_replies = refused, outage, lost_replies
+        self.retrieve_down, self.retrieve_error, self.pending = retrieve_down, retrieve_error, pending
+        self.outcome, self.submit_error, self.retrieve_raises = outcome, submit_error, retrieve_raises
+        self.attempts: list[tuple[str, dict[str, Any], str]] = []  # every submit call: (op, body, key)
+        self.by_key: dict[str, str] = {}  # idempotency key -> request id, as the service stores it
+        self.executed: list[str] = []  # request ids the "service" accepted to run
+        self.polls: list[tuple[str, float]] = []  # every retrieve call: (request id, timeout)
+
+    async def submit(self, op: str, body: dict[str, Any], idempotency_key: str) -> str:
+        self.attempts.append((op, body, idempotency_key))
+        if self.submit_error is not None:
+            raise self.submit_error
+        if self.refused or self.outage():
+            self.refused = max(0, self.refused - 1)
+            raise TrioConnectionError(f"POST /{op}: cannot reach http://trio.test (connection refused)")
+        if idempotency_key not in self.by_key:
+            self.by_key[idempotency_key] = request_id = f"req-{len(self.by_key)}"
+            self.executed.append(request_id)
+        if self.lost_replies:
+            self.lost_replies -= 1
+            raise TrioConnectionError(f"POST /{op}: cannot reach http://trio.test (connection reset)")
+        return self.by_key[idempotency_key]
+
+    async def retrieve(self, request_id: str, timeout: float) -> t.FutureResponse:
+        self.polls.append((request_id, timeout))
+        if self.retrieve_raises is not None:
+            raise self.retrieve_raises
+        if self.retrieve_down:
+            self.retrieve_down -= 1
+            raise self.retrieve_error("POST /retrieve_future: service unavailable")
+        if self.pending:
+            self.pending -= 1
+            return t.FutureResponse(request_id=request_id, status="pending", queue_state="active")
+        status, payload = self.outcome
+        if status == "failed":
+            category, message = payload
+            error = t.ErrorInfo(category=category, message=message)
+            return t.FutureResponse(request_id=request_id, status="failed", error=error)
+        return t.FutureResponse(request_id=request_id, status="done", result=payload)
+
+    async def capabilities(self) -> t.ServerCapabilities:
+        raise NotImplementedError
+
+    async def tokenizer_files(self, base_model: str) -> t.TokenizerFiles:
+        raise NotImplementedError
+
+    async def list_runs(self) -> list[t.TrainingRun]:
+        raise NotImplementedError
+
+    async def get_run(self, run_id: str) -> t.TrainingRun:
+        raise NotImplementedError
+
+    async def list_checkpoints(self, run_id: str | None) -> list[t.Checkpoint]:
+        raise NotImplementedError
+
+    async def delete_checkpoint(self, path: str) -> None:
+        raise NotImplementedError
+
+    async def download_checkpoint(self, path: str, dest: Path, progress: bool) -> Path:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeClock:
+    """Session's ``time.monotonic`` and ``asyncio.sleep``: sleeping advances the clock."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+        await asyncio.sleep(0)  # still yield to the loop, as a real sleep would
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    # Replace only the session module's references, never the real time/asyncio modules
+    # (the SDK's event loop itself runs on time.monotonic).
+    fake = FakeClock()
+    monkeypatch.setattr(session_mod, "time", SimpleNamespace(monotonic=fake.monotonic))
+    monkeypatch.setattr(session_mod, "asyncio", SimpleNamespace(sleep=fake.sleep, to_thread=asyncio.to_thread))
+    return fake
+
+
+def optim_step(transport: FlakyTransport) -> trio.OptimStepResponse:
+    """One operation through the public client, as a user makes it."""
+    tc = trio.TrainingClient(Session(transport), "run-1", MODEL)
+    return tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result(timeout=WAIT)
+
+
+def keys(transport: FlakyTransport) -> list[str]:
+    return [key for _, _, key in transport.attempts]
+
+
+def test_a_retried_submit_reuses_its_idempotency_key(clock):
+    transport = FlakyTransport(refused=3)
+    assert optim_step(transport).metrics == {"step": 1.0}
+    assert len(transport.attempts) == 4
+    assert len(set(keys(transport))) == 1 and keys(transport)[0]
+    assert all(body == transport.attempts[0][1] for _, body, _ in transport.attempts)
+    assert transport.attempts[0][1]["model_id"] == "run-1"
+    assert len(clock.sleeps) == 3  # it waited between attempts instead of hammering
+
+
+def test_a_submit_whose_reply_was_lost_runs_once(clock):
+    """The case the key exists for: the service got the request, the client did not hear."""
+    transport = FlakyTransport(lost_replies=2)
+    optim_step(transport)
+    assert len(transport.attempts) == 3 and len(set(keys(transport))) == 1
+    assert transport.executed == ["req-0"]
+    assert {request_id for request_id, _ in transport.polls} == {"req-0"}
+
+
+def test_two_submits_carry_different_keys(clock):
+    transport = FlakyTransport(refused=1)
+    optim_step(transport)
+    transport.refused = 1
+    optim_step(transport)
+    first, second = keys(transport)[:2], keys(transport)[2:]
+    assert len(first) == 2 and len(second) == 2
+    assert first[0] == first[1] and second[0] == second[1] and first[0] != second[0]
+    assert transport.executed == ["req-0", "req-1"]
+
+
+def test_backoff_grows_and_is_capped(clock):
+    optim_step(FlakyTransport(refused=12))
+    assert len(clock.sleeps) == 12
+    assert all(0 < s <= 2.0 for s in clock.sleeps)
+    assert clock.sleeps == sorted(clock.sleeps) and clock.sleeps[-1] > clock.sleeps[0]
+
+
+def test_submit_gives_up_after_the_reconnect_window(clock, monkeypatch):
+    monkeypatch.setattr(session_mod, "RECONNECT_SECONDS", 5.0)
+    transport = FlakyTransport(refused=FOREVER)
+    start = clock.now
+    with pytest.raises(trio.ConnectionError, match="connection refused") as err:
+        optim_step(transport)
+    waited = clock.now - start
+    assert 5.0 < waited <= 5.0 + 2.0  # the whole window, plus at most one backoff step
+    assert len(transport.attempts) > 2 and len(set(keys(transport))) == 1
+    assert err.value.request_id is None  # the service never assigned one
+    assert transport.executed == []
+
+
+def test_submit_rides_out_a_whole_restart_window(clock):
+    """With the real RECONNECT_SECONDS: a service down for 50 s (fake time) is ridden out."""
+    back_at = clock.now + 50.0
+    transport = FlakyTransport(outage=lambda: clock.now < back_at)
+    assert optim_step(transport).metrics == {"step": 1.0}
+    assert clock.now >= back_at and len(transport.attempts) > 10
+    assert len(set(keys(transport))) == 1 and transport.executed == ["req-0"]
+
+
+@pytest.mark.parametrize("error", [TrioConnectionError, TrioTimeoutError])
+def test_retrieve_rides_out_transient_failures_without_resubmitting(clock, error):
+    transport = FlakyTransport(retrieve_down=4, retrieve_error=error)
+    assert optim_step(transport).metrics == {"step": 1.0}
+    assert len(transport.attempts) == 1 and transport.executed == ["req-0"]
+    assert [request_id for request_id, _ in transport.polls] == ["req-0"] * 5
+    assert len(clock.sleeps) == 4
+
+
+@pytest.mark.parametrize("error", [TrioConnectionError, TrioTimeoutError])
+def test_retrieve_gives_up_after_the_reconnect_window_with_the_request_id(clock, monkeypatch, error):
+    monkeypatch.setattr(session_mod, "RECONNECT_SECONDS", 5.0)
+    transport = FlakyTransport(retrieve_down=FOREVER, retrieve_error=error)
+    start = clock.now
+    with pytest.raises(error, match="service unavailable") as err:
+        optim_step(transport)
+    assert type(err.value) is error
+    assert err.value.request_id == "req-0" and "req-0" in str(err.value)
+    assert 5.0 < clock.now - start <= 5.0 + 2.0
+    assert len(transport.polls) > 2 and len(transport.attempts) == 1
+
+
+def test_pending_polls_again_at_once_with_the_long_poll_timeout(clock):
+    transport = FlakyTransport(pending=3)
+    optim_step(transport)
+    assert transport.polls == [("req-0", session_mod.POLL_SECONDS)] * 4
+    assert clock.sleeps == []  # the service's long poll is the wait; no client-side sleep
+
+
+@pytest.mark.parametrize(
+    ("category", "error"),
+    [("validation", trio.ValidationError), ("not_found", trio.NotFoundError), ("capacity", trio.CapacityError),
+     ("server", trio.ServerError), ("something_new", trio.ServerError)],
+)
+def test_a_failed_outcome_raises_its_category_with_the_request_id(clock, category, error):
+    transport = FlakyTransport(outcome=("failed", (category, "it went wrong")))
+    with pytest.raises(error, match="it went wrong") as err:
+        optim_step(transport)
+    assert type(err.value) is error and err.value.request_id == "req-0"
+
+
+def test_errors_that_are_not_transient_are_not_retried(clock):
+    transport = FlakyTransport(submit_error=trio.ValidationError("data[0].weights: wrong length"))
+    with pytest.raises(trio.ValidationError, match="weights"):
+        optim_step(transport)
+    assert len(transport.attempts) == 1
+
+    transport = FlakyTransport(retrieve_raises=trio.NotFoundError("request req-0 not found"))
+    with pytest.raises(trio.NotFoundError):
+        optim_step(transport)
+    assert len(transport.polls) == 1
+    assert clock.sleeps == []
+
+
+def test_any_error_while_retrieving_carries_the_request_id(clock):
+    transport = FlakyTransport(retrieve_raises=trio.ServerError("502 Bad Gateway", status_code=502))
+    with pytest.raises(trio.ServerError) as err:
+        optim_step(transport)
+    assert err.value.request_id == "req-0"
