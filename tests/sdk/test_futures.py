@@ -10,7 +10,6 @@ import asyncio
 import concurrent.futures
 import inspect
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +22,8 @@ from pytrio.sampling import SamplingClient
 from pytrio.session import Session
 from pytrio.transport import Transport
 
+from .fakes import OperationsOnly
+
 MODEL = "trio/tiny-llama"
 WAIT = 5.0  # seconds; a bound for broken tests, never reached by passing ones
 RESULTS: dict[str, dict[str, Any]] = {
@@ -32,7 +33,7 @@ RESULTS: dict[str, dict[str, Any]] = {
 }
 
 
-class GatedTransport:
+class GatedTransport(OperationsOnly):
     """The Transport protocol in memory. Every operation stays pending until
     ``release()``; then it completes with ``RESULTS[op]``, or fails with
     ``failures[op] = (category, message)``."""
@@ -61,30 +62,6 @@ class GatedTransport:
                 return t.FutureResponse(request_id=request_id, status="done", result=RESULTS[op])
             await asyncio.sleep(0.002)
         return t.FutureResponse(request_id=request_id, status="pending", queue_state="active")
-
-    async def capabilities(self) -> t.ServerCapabilities:
-        raise NotImplementedError
-
-    async def tokenizer_files(self, base_model: str) -> t.TokenizerFiles:
-        raise NotImplementedError
-
-    async def list_runs(self) -> list[t.TrainingRun]:
-        raise NotImplementedError
-
-    async def get_run(self, run_id: str) -> t.TrainingRun:
-        raise NotImplementedError
-
-    async def list_checkpoints(self, run_id: str | None) -> list[t.Checkpoint]:
-        raise NotImplementedError
-
-    async def delete_checkpoint(self, path: str) -> None:
-        raise NotImplementedError
-
-    async def download_checkpoint(self, path: str, dest: Path, progress: bool) -> Path:
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        pass
 
 
 def trainer(transport: Transport) -> trio.TrainingClient:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,12 +22,14 @@ from pytrio.errors import ConnectionError as TrioConnectionError
 from pytrio.errors import TimeoutError as TrioTimeoutError
 from pytrio.session import Session
 
+from .fakes import OperationsOnly
+
 MODEL = "trio/tiny-llama"
 WAIT = 5.0  # real seconds; a bound for broken tests, never reached by passing ones
 FOREVER = 10**9
 
 
-class FlakyTransport:
+class FlakyTransport(OperationsOnly):
     """The Transport protocol in memory, with the service's idempotency: a submit whose
     key was seen before answers the first request id and does not run again.
 
@@ -93,30 +94,6 @@ class FlakyTransport:
             error = t.ErrorInfo(category=category, message=message)
             return t.FutureResponse(request_id=request_id, status="failed", error=error)
         return t.FutureResponse(request_id=request_id, status="done", result=payload)
-
-    async def capabilities(self) -> t.ServerCapabilities:
-        raise NotImplementedError
-
-    async def tokenizer_files(self, base_model: str) -> t.TokenizerFiles:
-        raise NotImplementedError
-
-    async def list_runs(self) -> list[t.TrainingRun]:
-        raise NotImplementedError
-
-    async def get_run(self, run_id: str) -> t.TrainingRun:
-        raise NotImplementedError
-
-    async def list_checkpoints(self, run_id: str | None) -> list[t.Checkpoint]:
-        raise NotImplementedError
-
-    async def delete_checkpoint(self, path: str) -> None:
-        raise NotImplementedError
-
-    async def download_checkpoint(self, path: str, dest: Path, progress: bool) -> Path:
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        pass
 
 
 class FakeClock:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from safetensors import safe_open
 
 from trio_server.engine import snapshot_path
+
+from ..polling import wait_until
 
 
 def snapshot_step(data_dir: Path, run_id: str) -> int | None:
@@ -20,8 +21,4 @@ def snapshot_step(data_dir: Path, run_id: str) -> int | None:
 
 
 def wait_for_snapshot(data_dir: Path, run_id: str, step: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while snapshot_step(data_dir, run_id) != step:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no snapshot of {run_id} at step {step}; on disk: {snapshot_step(data_dir, run_id)}")
-        time.sleep(0.05)
+    wait_until(lambda: snapshot_step(data_dir, run_id) == step, f"the snapshot of {run_id} at step {step}", timeout)

@@ -9,15 +9,10 @@ from pytrio.transport.local import LocalTransport
 from trio_server.core import ServiceCore
 from trio_server.engine import snapshot_path
 
+from ..polling import wait_until
+
 MODEL = "trio/tiny-llama"
 
-
-def wait_until(condition, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def test_forward_backward_of_different_runs_share_one_pass(tmp_path):

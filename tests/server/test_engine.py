@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from trio_engine import AdamConfig, Example, ForwardJob, LoraConfig, snapshot
 from trio_server.engine import EngineSettings, Failure, LocalEngine, snapshot_path
+
+from ..polling import wait_until
 
 MODEL = "trio/tiny-llama"
 
@@ -23,13 +23,6 @@ def engine(tmp_path):
     yield eng
     eng.close()
 
-
-def wait_until(condition, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def test_marks_during_a_write_coalesce_into_one_more_write_of_the_newest_state(engine, monkeypatch):

@@ -26,6 +26,7 @@ from trio_server.app import create_app
 from trio_server.core import Limits, ServiceCore
 from trio_server.engine import snapshot_path
 
+from ..polling import wait_until
 from ..sdk.conftest import ServerThread
 
 MODEL = "trio/tiny-llama"
@@ -36,13 +37,6 @@ def datum(n: int = 6) -> trio.Datum:
     return trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]),
                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * n})
 
-
-def wait_until(condition, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def wait_done(transport: LocalTransport, request_id: str, timeout: float = 60) -> t.FutureResponse:
