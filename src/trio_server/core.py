@@ -395,7 +395,9 @@ class ServiceCore:
     def tokenizer_files(self, base_model: str) -> t.TokenizerFiles:
         self._check_model(base_model)
         folder = self.data_dir / "tokenizers" / base_model.replace("/", "--")
-        if not (folder / "tokenizer_config.json").exists():
+        if (folder / "tokenizer_config.json").exists():
+            files = {p.name: p.read_text() for p in folder.iterdir() if p.is_file()}
+        else:  # ask the engine once; later calls read the cache
             files = self._worker(base_model).engine.tokenizer_files()
             tmp = folder.with_name(folder.name + f".tmp-{secrets.token_hex(4)}")
             tmp.mkdir(parents=True)
@@ -403,7 +405,6 @@ class ServiceCore:
                 (tmp / name).write_text(text)
             shutil.rmtree(folder, ignore_errors=True)
             tmp.rename(folder)
-        files = {p.name: p.read_text() for p in folder.iterdir() if p.is_file()}
         return t.TokenizerFiles(base_model=base_model, files=files)
 
     def list_runs(self, user_id: str) -> list[t.TrainingRun]:
@@ -430,8 +431,7 @@ class ServiceCore:
 
     def delete_checkpoint(self, user_id: str, path: str) -> None:
         row = self._checkpoint(user_id, path)
-        folder = self.checkpoint_dir(row["run_id"], row["kind"], row["name"])
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(self.checkpoint_dir(row["run_id"], row["kind"], row["name"]), ignore_errors=True)
         self.store.delete(checkpoints_table, path=path)  # a sampler on it fails at its next use
 
     def checkpoint_archive(self, user_id: str, path: str) -> Path:

@@ -19,6 +19,7 @@ those are retried on the restarted actor.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -99,7 +100,7 @@ class RayEngine:
         connect(address)
         gpu = wants_gpu(settings.device)
         if gpu and settings.device and settings.device.startswith("cuda:"):
-            settings = _replace_device(settings, "cuda")  # Ray shows the actor only its own GPU
+            settings = dataclasses.replace(settings, device="cuda")  # Ray shows the actor only its own GPU
         options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": 0,
                                    "num_gpus": 1 if gpu else 0}
         if resource:
@@ -181,8 +182,3 @@ class RayEngine:
         finally:
             ray.kill(self.actor, no_restart=True)
 
-
-def _replace_device(settings: EngineSettings, device: str) -> EngineSettings:
-    from dataclasses import replace
-
-    return replace(settings, device=device)

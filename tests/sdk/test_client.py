@@ -137,26 +137,26 @@ def test_load_state_restores_a_run_that_moved_on(service):
     moved = logprobs(tc)
     assert max(float(np.abs(x - y).max()) for x, y in zip(moved, at_save)) > 1e-3  # the run differs now
 
-    tc.load_state_with_optimizer(path).result()
-    assert tc.get_info().step == 2
-    assert_same(logprobs(tc), at_save)
-    fresh = service.create_training_client_from_state_with_optimizer(path)
-    got, want = step(tc), step(fresh)
-    assert got["step"] == want["step"] == 3.0
-    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-    with_moments = logprobs(tc)
-    assert_same(with_moments, logprobs(fresh))
+    def reload_like_a_fresh_client(load, fresh_from, step_after):
+        """Load into the moved-on run: it equals the checkpoint, and its next step equals a
+        fresh client's first step from that checkpoint. Returns the logprobs after it."""
+        load(path).result()
+        assert tc.get_info().step == step_after - 1
+        assert_same(logprobs(tc), at_save)
+        fresh = fresh_from(path)
+        got, want = step(tc), step(fresh)
+        assert got["step"] == want["step"] == float(step_after)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        after = logprobs(tc)
+        assert_same(after, logprobs(fresh))
+        return after
 
-    tc.load_state(path).result()  # weights only: the optimizer starts again
-    assert tc.get_info().step == 0
-    assert_same(logprobs(tc), at_save)
-    fresh = service.create_training_client_from_state(path)
-    got, want = step(tc), step(fresh)
-    assert got["step"] == want["step"] == 1.0
-    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-    assert_same(logprobs(tc), logprobs(fresh))
+    with_moments = reload_like_a_fresh_client(
+        tc.load_state_with_optimizer, service.create_training_client_from_state_with_optimizer, 3)
+    weights_only = reload_like_a_fresh_client(  # the optimizer starts again
+        tc.load_state, service.create_training_client_from_state, 1)
     # the moments mattered: a first step from the checkpoint differs from a third one
-    assert max(float(np.abs(x - y).max()) for x, y in zip(logprobs(tc), with_moments)) > 1e-4
+    assert max(float(np.abs(x - y).max()) for x, y in zip(weights_only, with_moments)) > 1e-4
 
 
 def test_checkpoints_resume_and_sample(service):
