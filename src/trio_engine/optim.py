@@ -100,6 +100,5 @@ def adamw_step(params: dict[str, torch.Tensor], state: AdamState, cfg: AdamConfi
 
 
 def _global_norm(grads: list[torch.Tensor]) -> float:
-    if not grads:
-        return 0.0
+    """sqrt of the summed squares of every element (``grads`` is never empty here)."""
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))

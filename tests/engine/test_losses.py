@@ -23,7 +23,7 @@ W = torch.tensor([1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 0.5], dtype=torch.float64)
 LOGP = -(torch.rand(N, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3 + 0.1)
 Q = LOGP - torch.log(R)  # so that exp(LOGP - Q) == R
 INPUTS = {"logprobs": Q, "advantages": A, "weights": W}
-CFGS = [{}, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}]
+CFGS = [{}, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05, "beta": 0.3}]
 
 # Which tokens PPO clips, written out (not computed): with the default bounds (0.8, 1.2)
 # and with (0.9, 1.05) the same tokens are clipped. Tokens 8 and 9 have weight 0.
@@ -128,6 +128,40 @@ def test_cispo_gradient_is_detached_clipped_weight():
     clipped_r = torch.tensor([0.8, 0.8, 0.92, 1.1, 1.2, 1.2, 0.8, 0.95, 1.2, 1.2, 0.8, 1.2], dtype=torch.float64)
     torch.testing.assert_close(grad, -W * clipped_r * A)
     assert metrics["clip_fraction"].tolist() == [1, 1, 0, 0, 1, 1, 1, 0, 1, 1, 1, 1]
+
+
+def test_each_loss_reports_its_metrics_by_name():
+    """The per-token metrics (the host reports them as "<name>:mean"), written out."""
+    log_r = torch.log(R)
+    expected = {
+        "cross_entropy": {},
+        "importance_sampling": {"ratio": R},
+        "ppo": {"clip_low_fraction": torch.tensor(PPO_CLIP_LOW, dtype=torch.float32),
+                "clip_high_fraction": torch.tensor(PPO_CLIP_HIGH, dtype=torch.float32), "ratio": R},
+        "cispo": {"clip_fraction": (R < 0.8) | (R > 1.2), "ratio": R},
+        "dro": {"log_ratio": log_r},
+    }
+    assert sorted(expected) == sorted(losses.LOSSES)
+    for name, want in expected.items():
+        _, metrics = losses.LOSSES[name].fn(LOGP, INPUTS, {})
+        assert sorted(metrics) == sorted(want), name
+        for key, value in want.items():
+            torch.testing.assert_close(metrics[key].double(), value.double(), msg=f"{name} {key}")
+
+
+def test_a_ratio_on_a_bound_or_a_zero_advantage_is_not_counted_as_clipped():
+    """clamp leaves a ratio equal to a bound unchanged, and with A = 0 clipping changes
+    nothing: neither counts. Ratios 1, 1, 0.5, 2 against bounds (1, 1)."""
+    q = torch.zeros(4, dtype=torch.float64)
+    logp = torch.tensor([0.0, 0.0, math.log(0.5), math.log(2.0)], dtype=torch.float64)
+    inputs = {"logprobs": q, "advantages": torch.tensor([1.0, -1.0, 0.0, 0.0], dtype=torch.float64),
+              "weights": torch.ones(4, dtype=torch.float64)}
+    cfg = {"clip_low_threshold": 1.0, "clip_high_threshold": 1.0}
+    _, ppo_metrics = losses.ppo(logp, inputs, cfg)
+    assert ppo_metrics["clip_low_fraction"].tolist() == [0, 0, 0, 0]
+    assert ppo_metrics["clip_high_fraction"].tolist() == [0, 0, 0, 0]
+    _, cispo_metrics = losses.cispo(logp, inputs, cfg)
+    assert cispo_metrics["clip_fraction"].tolist() == [0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("cfg", CFGS)

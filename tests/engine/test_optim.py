@@ -51,10 +51,29 @@ def test_weight_decay_touches_only_that_adapter(tiny_host, new_id):
     assert any(not torch.equal(before_b[k], v) for k, v in tiny_host.adapter_params(a).items())
 
 
-@pytest.mark.parametrize("field, value", [("learning_rate", -1.0), ("beta1", 1.0), ("eps", float("nan"))])
+BAD_ADAM = [("learning_rate", -1e-9), ("learning_rate", float("inf")), ("beta1", 1.0), ("beta1", -0.1),
+            ("beta2", 1.0), ("beta2", 1.5), ("beta2", -0.1), ("eps", -1e-12), ("eps", float("nan")),
+            ("weight_decay", -0.1), ("grad_clip_norm", -1.0), ("grad_clip_norm", float("nan"))]
+
+
+@pytest.mark.parametrize("field, value", BAD_ADAM)
 def test_bad_adam_params(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=f"adam_params.{field}: invalid value {value!r}"):
         AdamConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"])
+def test_zero_is_a_valid_adam_param(field):
+    """Every bound is inclusive at 0 (lr 0 = a no-op step, beta 0 = no averaging)."""
+    assert getattr(AdamConfig(**{field: 0.0}), field) == 0.0
+
+
+def test_adam_state_moves_its_moments_to_the_device():
+    state = AdamState(3, {"w": torch.ones(2)}, {"w": torch.full((2,), 4.0)})
+    moved = state.to("meta")  # a device every build has
+    assert moved.step == 3
+    assert moved.exp_avg["w"].device.type == "meta" and moved.exp_avg_sq["w"].device.type == "meta"
+    assert state.exp_avg["w"].device.type == "cpu"  # the original is left as it was
 
 
 def test_step_without_gradients_changes_nothing(tiny_host, new_id):

@@ -32,7 +32,8 @@ def adapted(tiny_host):
     aid = "sampler-adapter"
     tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=1))
     randomize_adapter(tiny_host, aid, seed=5, scale=0.2)
-    return aid
+    yield aid
+    tiny_host.delete_adapter(aid)  # the host is shared: tests may run in any order
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +149,8 @@ def sharp(tiny_host):
     aid = "sampler-sharp"
     tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=2, train_attn=False, train_mlp=False))
     randomize_adapter(tiny_host, aid, seed=7, scale=0.3)
-    return aid, reference_next_logits(merged_model(tiny_host, aid), DIST_PROMPT)
+    yield aid, reference_next_logits(merged_model(tiny_host, aid), DIST_PROMPT)
+    tiny_host.delete_adapter(aid)
 
 
 def filtered_distribution(logits, temperature, top_k=-1, top_p=1.0):

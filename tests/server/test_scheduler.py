@@ -43,3 +43,19 @@ def test_a_missing_sequence_number_stops_blocking_after_the_gap():
     waited = {"b": 100.0, "c": 100.0, "d": 100.0}
     assert stalled_runs(pending, {"r": 2, "s": 0}, waited, now=105.0, gap_seconds=30) == {}
     assert stalled_runs(pending, {"r": 2, "s": 0}, waited, now=131.0, gap_seconds=30) == {"r": 3}
+
+
+def test_stalled_runs_reports_only_heads_that_waited_longer_than_the_gap():
+    from trio_server.scheduler import stalled_runs
+
+    pending = [
+        item("s", "sample"),  # no run: never stalls, and later items are still looked at
+        item("g", "get_info", "r", None),  # on a run but unsequenced: ignored
+        item("r1", "forward", "r", 1),  # r never saw its seq 0 (no next_seq yet: 0)
+        item("q5", "forward", "q", 5),  # q's head is ready, however long it waited
+        item("n7", "forward", "n", 7),  # just queued: not in ``waited`` yet
+        item("e3", "forward", "e", 3),  # waited exactly the gap: not longer
+    ]
+    waited = {"s": 0.0, "g": 0.0, "r1": 0.0, "q5": 0.0, "e3": 70.0}
+    assert stalled_runs(pending, {"q": 5, "e": 1}, waited, now=100.0, gap_seconds=30) == {"r": 1}
+    assert stalled_runs(pending, {"q": 5, "r": 1}, waited, now=100.0, gap_seconds=30) == {}

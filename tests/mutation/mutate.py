@@ -1,0 +1,122 @@
+"""`make mutate`: mutation testing of TRIO's core, and a score per module.
+
+mutmut (pinned in the Makefile; configured under ``[tool.mutmut]`` in pyproject.toml)
+changes one thing at a time in the modules below (an operator, a constant, a key, a
+call's argument) and runs the fast tests that cover the changed function. A mutant the
+tests notice is *killed*; one they don't is a *survivor*, i.e. a behaviour no test holds.
+
+Some survivors are *equivalent*: the change cannot alter behaviour (say ``<`` for
+``<=`` where the two sides are never equal). They are listed in ``equivalent.txt``
+beside this file, one per line with the reason, and left out of the score:
+
+    score = killed / (mutants - equivalent)        target: >= 90 % per module
+
+Mutant names carry a number per function, so an edit to a function renumbers its
+mutants: rerun, then check the survivors this script prints and update the list.
+
+Usage: python tests/mutation/mutate.py [--report-only] [--jobs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MUTMUT = str(Path(sys.executable).with_name("mutmut"))
+EQUIVALENT = Path(__file__).with_name("equivalent.txt")
+TARGET = 0.90
+
+# The core's request path: submit -> queue -> ordered execution -> resolve -> retrieve.
+CORE_PATH = [f"trio_server.core.xǁServiceCoreǁ{name}__mutmut_*" for name in (
+    "submit", "retrieve", "_stored_outcome", "_queue_state", "_unregister", "_idempotent",
+    "_check_seq", "resolve", "_forget_old", "_recover",
+)]
+MODULES: dict[str, list[str]] = {
+    "trio_engine.losses": ["trio_engine.losses.*"],
+    "trio_engine.optim": ["trio_engine.optim.*"],
+    "trio_engine.lora": ["trio_engine.lora.*"],
+    "trio_engine.sampler": ["trio_engine.sampler.*"],
+    "trio_server.scheduler": ["trio_server.scheduler.*"],
+    "trio_server.core (submit/retrieve/ordering)": CORE_PATH,
+    "trio_server.worker (ordering, batching)": ["trio_server.worker.*"],
+}
+KILLED = {"killed", "timeout", "caught by type check"}
+
+
+def run_mutmut(jobs: int) -> None:
+    patterns = [p for group in MODULES.values() for p in group]
+    cmd = [MUTMUT, "run", "--max-children", str(jobs), *patterns]
+    print("$", " ".join(cmd[:4]), f"<{len(patterns)} patterns>", flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=False)
+
+
+def results() -> dict[str, str]:
+    """Every mutant's status, from ``mutmut results --all true``."""
+    out = subprocess.run([MUTMUT, "results", "--all", "true"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    pairs = (line.strip().rsplit(": ", 1) for line in out.splitlines() if ": " in line)
+    return {name: status for name, status in pairs}
+
+
+def equivalent_mutants() -> dict[str, str]:
+    """name -> why, from equivalent.txt (``name  reason``; # starts a comment)."""
+    listed = {}
+    for line in EQUIVALENT.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, _, why = line.partition(" ")
+            listed[name] = why.strip()
+    return listed
+
+
+def report(status: dict[str, str], equivalent: dict[str, str]) -> bool:
+    ok = True
+    print(f"\n{'module':46} {'mutants':>7} {'killed':>7} {'equiv':>6} {'survived':>8} {'score':>7}")
+    for module, patterns in MODULES.items():
+        names = [n for n in status if any(fnmatch.fnmatch(n, p) for p in patterns)]
+        counts = Counter("killed" if status[n] in KILLED else
+                         "equivalent" if n in equivalent else "survived" for n in names)
+        scored = len(names) - counts["equivalent"]
+        score = counts["killed"] / scored if scored else 1.0
+        ok &= score >= TARGET and status_checked(names, status)
+        print(f"{module:46} {len(names):7} {counts['killed']:7} {counts['equivalent']:6} "
+              f"{counts['survived']:8} {score:7.1%}")
+    survivors = sorted(n for n, s in status.items() if s not in KILLED and n not in equivalent
+                       and any(fnmatch.fnmatch(n, p) for g in MODULES.values() for p in g))
+    if survivors:
+        print("\nSurvivors not listed as equivalent (see `mutmut show NAME`):")
+        for name in survivors:
+            print(f"  {name}: {status[name]}")
+    stale = [n for n in equivalent if status.get(n) in KILLED or n not in status]
+    if stale:
+        print("\nListed as equivalent but killed or gone (renumbered? update equivalent.txt):")
+        print("\n".join(f"  {n}" for n in stale))
+    print(f"\n{'PASS' if ok else 'FAIL'}: target {TARGET:.0%} of non-equivalent mutants killed per module")
+    return ok
+
+
+def status_checked(names: list[str], status: dict[str, str]) -> bool:
+    unchecked = [n for n in names if status[n] == "not checked"]
+    if unchecked:
+        print(f"  ({len(unchecked)} mutants not checked yet)")
+    return not unchecked
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report-only", action="store_true", help="print the last run's scores")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    args = parser.parse_args()
+    if not args.report_only:
+        run_mutmut(args.jobs)
+    return 0 if report(results(), equivalent_mutants()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
