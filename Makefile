@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 PIP     := $(BIN)/pip install -c constraints.txt
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv test demo check bench clean
+.PHONY: venv test demo check bench mutate clean
 
 venv: $(STAMP)
 
@@ -36,5 +36,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/snapshot.py
 
+# Mutation testing of the core (not part of `make test`; ~1 h on 2 cores): a score per module.
+# One thread per test process: forked torch workers with a thread pool would hang.
+mutate: $(STAMP)
+	$(PIP) -q mutmut==3.8.1
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python tests/mutation/mutate.py
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build src/*.egg-info mutants
