@@ -86,7 +86,7 @@ class TrainingClient:
         ``weights = -dloss/dlogprobs`` puts exactly that gradient on the weights.
         Needs torch on the client.
         """
-        data = list(data)
+        data = validated(t.ForwardRequest, model_id=self.model_id, seq=0, data=list(data)).data
         targets_only = [
             t.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
             for d in data

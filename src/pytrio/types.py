@@ -8,6 +8,7 @@ converts to and from torch only when asked, importing it lazily.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -24,12 +25,41 @@ class _Model(BaseModel):
 # --------------------------------------------------------------------------- tensors
 
 
+DType = Literal["int64", "float32"]
+
+# The dtype of each loss input the losses read, whatever its values look like: the user
+# docs write ``weights=[0, 1]`` (ints), and token ids often come out of numpy as floats.
+FIELD_DTYPES: dict[str, DType] = {
+    "target_tokens": "int64", "weights": "float32", "advantages": "float32", "logprobs": "float32",
+}
+
+
 class TensorData(_Model):
-    """A flat list of numbers with a dtype and shape; what ``loss_fn_inputs`` hold."""
+    """A flat list of numbers with a dtype and shape; what ``loss_fn_inputs`` hold.
+
+    ``shape`` (if given) must hold exactly ``len(data)`` elements. Inside a ``Datum`` the
+    dtype follows the field (``FIELD_DTYPES``), not the values.
+    """
 
     data: list[float] | list[int]
-    dtype: Literal["int64", "float32"] = "float32"
+    dtype: DType = "float32"
     shape: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _shape_holds_data(self) -> TensorData:
+        check_shape(self)
+        return self
+
+    def as_dtype(self, dtype: DType) -> TensorData:
+        """This tensor with ``dtype``; int64 refuses a value that is not a whole number."""
+        if dtype == "int64":
+            bad = next((v for v in self.data if v != int(v)), None)
+            if bad is not None:
+                raise ValueError(f"{bad!r} is not an integer, at index {self.data.index(bad)}")
+            data: list[float] | list[int] = [int(v) for v in self.data]
+        else:
+            data = [float(v) for v in self.data]
+        return TensorData.model_construct(data=data, dtype=dtype, shape=self.shape)
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> TensorData:
@@ -68,6 +98,25 @@ class TensorData(_Model):
 
     def __len__(self) -> int:
         return len(self.data)
+
+
+def check_shape(tensor: TensorData) -> None:
+    if tensor.shape is not None and math.prod(tensor.shape) != len(tensor.data):
+        raise ValueError(f"shape {tensor.shape} holds {math.prod(tensor.shape)} elements, "
+                         f"but data has {len(tensor.data)}")
+
+
+def loss_input(name: str, value: Any) -> TensorData:
+    """``value`` (list, numpy, torch or TensorData) as the tensor the input ``name`` holds.
+
+    Raises ValueError naming the field and the value.
+    """
+    try:
+        tensor = TensorData.coerce(value)
+        check_shape(tensor)  # again: a TensorData may have been built without validation
+        return tensor.as_dtype(FIELD_DTYPES[name]) if name in FIELD_DTYPES else tensor
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"loss_fn_inputs[{name!r}]: {exc}") from None
 
 
 # --------------------------------------------------------------------------- model input
@@ -120,13 +169,7 @@ class Datum(_Model):
     def _coerce_inputs(cls, value: Any) -> dict[str, TensorData]:
         if not isinstance(value, dict):
             raise ValueError(f"loss_fn_inputs must be a dict, got {type(value).__name__}")
-        out = {}
-        for key, item in value.items():
-            try:
-                out[key] = TensorData.coerce(item)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"loss_fn_inputs[{key!r}]: {exc}") from None
-        return out
+        return {key: loss_input(key, item) for key, item in value.items()}
 
 
 # --------------------------------------------------------------------------- parameters
@@ -282,6 +325,27 @@ class ForwardRequest(_RunRequest):
     data: list[Datum]
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float] | None = None
+
+    @field_validator("data")
+    @classmethod
+    def _checked_data(cls, data: list[Datum]) -> list[Datum]:
+        return [checked_datum(i, d) for i, d in enumerate(data)]
+
+
+def checked_datum(i: int, datum: Datum) -> Datum:
+    """``datum`` checked again where its index is known (a Datum's inputs may have been
+    replaced after it was built, unvalidated); every forward needs ``target_tokens``.
+
+    Raises ValueError naming ``data[i]``, the field and the value.
+    """
+    where = f"data[{i}].loss_fn_inputs"
+    if "target_tokens" not in datum.loss_fn_inputs:
+        raise ValueError(f"{where}: 'target_tokens' is missing (got {sorted(datum.loss_fn_inputs)})")
+    try:
+        inputs = {key: loss_input(key, value) for key, value in datum.loss_fn_inputs.items()}
+    except ValueError as exc:
+        raise ValueError(f"data[{i}].{exc}") from None
+    return Datum.model_construct(model_input=datum.model_input, loss_fn_inputs=inputs)
 
 
 class OptimStepRequest(_RunRequest):
