@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from .errors import ConnectionError as TrioConnectionError
 from .errors import TimeoutError as TrioTimeoutError
-from .errors import TrioError, error_from_category
+from .errors import TrioError, error_from_category, is_transient
 from .futures import on_background
 from .transport import Transport
 from .types import FutureResponse
@@ -67,17 +67,19 @@ class Session:
                 raise
 
     async def _submit(self, op: str, body: dict[str, Any]) -> str:
-        """Retries reuse one idempotency key, so a retried submit never runs twice."""
+        """Submit, retrying what may pass on its own (unreachable, 429, 5xx) for up to
+        RECONNECT_SECONDS: with exponential back-off, or as long as ``Retry-After`` asks.
+        Retries reuse one idempotency key, so a retried submit never runs twice."""
         key = uuid.uuid4().hex
         deadline = time.monotonic() + RECONNECT_SECONDS  # ride out a service restart
         delay = 0.1
         while True:
             try:
                 return await self.transport.submit(op, body, key)
-            except TrioConnectionError:
-                if time.monotonic() > deadline:
+            except TrioError as exc:
+                if not is_transient(exc) or time.monotonic() > deadline:
                     raise
-                await asyncio.sleep(delay)
+                await asyncio.sleep(exc.retry_after if exc.retry_after is not None else delay)
                 delay = min(2.0, delay * 2)
 
     async def tokenizer(self, base_model: str) -> Any:

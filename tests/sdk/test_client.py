@@ -250,3 +250,13 @@ def test_rest_client(service, tmp_path):
 def test_capabilities(service):
     caps = service.get_server_capabilities()
     assert MODEL in caps.supported_models and caps.max_seq_len > 0 and caps.max_batch_size > 0
+
+
+def test_errors_carry_their_status_code_on_both_transports(service):
+    tc = trainer(service)
+    with pytest.raises(trio.NotFoundError) as err:
+        service.create_training_client_from_state(f"trio://{tc.model_id}/weights/never-saved")
+    assert err.value.status_code == 404
+    with pytest.raises(trio.ValidationError) as err:  # refused by the engine: a failed future
+        tc.forward([datum([1, 2, 10**7])]).result()
+    assert err.value.status_code == 400
