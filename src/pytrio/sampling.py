@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import types as t
-from .errors import validated
+from .errors import ValidationError, validated
 from .futures import APIFuture, async_twin, run_sync, schedule
 from .session import Session
 
@@ -46,11 +46,15 @@ class SamplingClient:
         their ``logprobs`` under the model (temperature 1, the trainer's numerics),
         ``text`` (the tokens decoded, special tokens skipped) and ``stop_reason``
         (``"stop"`` or ``"length"``). With ``include_prompt_logprobs`` the response also has
-        ``prompt_logprobs`` (None for the first token).
+        ``prompt_logprobs`` (None for the first token). ``sampling_params`` is required:
+        ``max_tokens`` has no default. Sequences stop at EOS unless ``ignore_eos=True``.
         """
+        if sampling_params is None:
+            raise ValidationError("sampling_params: required, e.g. trio.SamplingParams(max_tokens=20) "
+                                  "(max_tokens has no default)")
         request = validated(
             t.SampleRequest, sampler_id=self.sampler_id, prompt=prompt, num_samples=num_samples,
-            sampling_params=sampling_params or t.SamplingParams(), include_prompt_logprobs=include_prompt_logprobs,
+            sampling_params=sampling_params, include_prompt_logprobs=include_prompt_logprobs,
         )
         return schedule(self._session.call("sample", request, t.SampleResponse))
 

@@ -195,13 +195,25 @@ class AdamParams(_Model):
 
 
 class SamplingParams(_Model):
-    """``stop`` takes strings or token ids; temperature 0 is greedy; top_k -1 is off."""
+    """How to sample.
 
-    max_tokens: int = 16
+    Attributes:
+        max_tokens: the most tokens to generate. Required: the user docs always give it,
+            and a silent default would cut samples short (or run long) unnoticed.
+        temperature: 0 is greedy. top_k: -1 is off. top_p: 1 is off.
+        stop: strings or token ids that end a sequence, in addition to EOS
+            (``None`` and ``[]`` both mean EOS only).
+        ignore_eos: True keeps generating through EOS, to ``max_tokens`` or a ``stop``
+            (fixed-length rollouts, benchmarks).
+        seed: the same seed gives the same samples.
+    """
+
+    max_tokens: int
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
     stop: str | list[str] | list[int] | None = None
+    ignore_eos: bool = False
     seed: int | None = None
 
 
@@ -390,7 +402,7 @@ class SampleRequest(_Model):
     sampler_id: str
     prompt: ModelInput
     num_samples: int = 1
-    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    sampling_params: SamplingParams
     include_prompt_logprobs: bool = False
 
 

@@ -260,3 +260,32 @@ def test_errors_carry_their_status_code_on_both_transports(service):
     with pytest.raises(trio.ValidationError) as err:  # refused by the engine: a failed future
         tc.forward([datum([1, 2, 10**7])]).result()
     assert err.value.status_code == 400
+
+
+def test_sample_needs_sampling_params(service):
+    sampler = service.create_sampling_client(base_model=MODEL)
+    with pytest.raises(trio.ValidationError, match="max_tokens"):
+        sampler.sample(trio.ModelInput.from_ints(TOKENS[:3]), 1)
+
+
+def test_ignore_eos_reaches_the_engine(local_core):
+    """``stop`` adds stop sequences to EOS; only ``ignore_eos=True`` turns EOS off."""
+    from pytrio.transport.local import LocalTransport
+
+    sampler = trio.ServiceClient(transport=LocalTransport(local_core)).create_sampling_client(base_model=MODEL)
+    engine = local_core.workers[MODEL].engine
+    seen, real = [], engine.sample
+
+    def spy(jobs):
+        seen.extend(job.request.config for job in jobs)
+        return real(jobs)
+
+    engine.sample = spy
+    try:
+        prompt = trio.ModelInput.from_ints(TOKENS[:3])
+        for params in (trio.SamplingParams(max_tokens=2, stop=[]),
+                       trio.SamplingParams(max_tokens=2, stop=["\n"], ignore_eos=True)):
+            sampler.sample(prompt, 1, params).result()
+    finally:
+        del engine.sample
+    assert [(c.ignore_eos, c.stop_strings) for c in seen] == [(False, ()), (True, ("\n",))]

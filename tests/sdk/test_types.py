@@ -80,3 +80,12 @@ def test_the_shape_must_hold_the_data():
     with pytest.raises(ValueError, match=r"weights.*shape"):
         inputs(weights=trio.TensorData.model_construct(data=[1.0, 2.0, 3.0], dtype="float32", shape=[5]))
     assert trio.TensorData(data=[1.0, 2.0, 3.0, 4.0], shape=[2, 2]).to_numpy().shape == (2, 2)
+
+
+def test_max_tokens_has_no_silent_default():
+    """The user docs always say how long a sample may be; a forgotten max_tokens used to
+    give 16 tokens without a word."""
+    with pytest.raises(ValueError, match="max_tokens"):
+        trio.SamplingParams(temperature=0.7)
+    params = trio.SamplingParams(max_tokens=20)
+    assert params.stop is None and params.ignore_eos is False

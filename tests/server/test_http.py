@@ -73,7 +73,7 @@ def test_users_are_isolated(server):
         bob_rest.download_checkpoint_archive(state, progress=False)
     bob_sampler = trio.SamplingClient(bob._session, sampler.sampler_id, MODEL)  # a stolen id
     with pytest.raises(trio.NotFoundError):
-        bob_sampler.sample(trio.ModelInput.from_ints([1, 2]), 1).result()
+        bob_sampler.sample(trio.ModelInput.from_ints([1, 2]), 1, trio.SamplingParams(max_tokens=2)).result()
     bob_trainer = trio.TrainingClient(bob._session, tc.model_id, MODEL)
     with pytest.raises(trio.NotFoundError):
         bob_trainer.forward([datum()]).result()
