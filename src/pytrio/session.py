@@ -86,24 +86,31 @@ class Session:
         """A Hugging Face tokenizer from files the service provides (no model hub)."""
         if base_model not in self._tokenizers:
             files = await on_background(self.transport.tokenizer_files(base_model))
-            self._tokenizers[base_model] = await asyncio.to_thread(_load_tokenizer, files.files)
+            self._tokenizers[base_model] = await asyncio.to_thread(_load_tokenizer, files.contents())
         return self._tokenizers[base_model]
 
 
-def _load_tokenizer(files: dict[str, str]) -> Any:
+def _load_tokenizer(files: dict[str, bytes]) -> Any:
     # PreTrainedTokenizerFast, not AutoTokenizer: the latter imports torch when installed,
     # and the SDK must stay torch-free. The server always ships a tokenizer.json.
     from transformers import PreTrainedTokenizerFast
 
-    digest = hashlib.sha256("".join(sorted(files)).encode() + files.get("tokenizer.json", "").encode()).hexdigest()[:16]
-    folder = Path(os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio") / "client-tokenizers" / digest
+    folder = Path(os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio") / "client-tokenizers" / _digest(files)
     if not (folder / "tokenizer_config.json").exists():
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
-        for name, text in files.items():
-            (tmp / name).write_text(text)
+        for name, content in files.items():
+            (tmp / name).write_bytes(content)
         try:
             tmp.rename(folder)
         except OSError:  # another process won the race; its copy is identical
             shutil.rmtree(tmp, ignore_errors=True)
     return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+def _digest(files: dict[str, bytes]) -> str:
+    """The cache key: every file's name and content, so any change gives a fresh folder."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(hashlib.sha256(name.encode()).digest() + hashlib.sha256(files[name]).digest())
+    return h.hexdigest()[:32]

@@ -8,6 +8,7 @@ converts to and from torch only when asked, importing it lazily.
 
 from __future__ import annotations
 
+import base64
 import math
 import re
 from typing import Any, Literal
@@ -311,8 +312,18 @@ class TrainingRun(_Model):
 
 
 class TokenizerFiles(_Model):
+    """A tokenizer's Hugging Face files. Sent as base64: some (a sentencepiece
+    ``tokenizer.model``) are binary, and JSON carries only text."""
+
     base_model: str
-    files: dict[str, str]  # filename -> text content
+    files: dict[str, str]  # filename -> base64 of its bytes
+
+    @classmethod
+    def of(cls, base_model: str, contents: dict[str, bytes]) -> TokenizerFiles:
+        return cls(base_model=base_model, files={n: base64.b64encode(b).decode() for n, b in contents.items()})
+
+    def contents(self) -> dict[str, bytes]:
+        return {name: base64.b64decode(text) for name, text in self.files.items()}
 
 
 # --------------------------------------------------------------------------- protocol

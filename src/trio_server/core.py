@@ -396,16 +396,16 @@ class ServiceCore:
         self._check_model(base_model)
         folder = self.data_dir / "tokenizers" / base_model.replace("/", "--")
         if (folder / "tokenizer_config.json").exists():
-            files = {p.name: p.read_text() for p in folder.iterdir() if p.is_file()}
+            files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
         else:  # ask the engine once; later calls read the cache
             files = self._worker(base_model).engine.tokenizer_files()
             tmp = folder.with_name(folder.name + f".tmp-{secrets.token_hex(4)}")
             tmp.mkdir(parents=True)
-            for name, text in files.items():
-                (tmp / name).write_text(text)
+            for name, content in files.items():
+                (tmp / name).write_bytes(content)
             shutil.rmtree(folder, ignore_errors=True)
             tmp.rename(folder)
-        return t.TokenizerFiles(base_model=base_model, files=files)
+        return t.TokenizerFiles.of(base_model, files)
 
     def list_runs(self, user_id: str) -> list[t.TrainingRun]:
         return [self._training_run(r) for r in self.store.select(runs_table, user_id=user_id, order_by="created_at")]
