@@ -113,7 +113,7 @@ def test_await_a_future_from_the_users_own_event_loop():
     async def main() -> trio.OptimStepResponse:
         assert asyncio.get_running_loop() is not background_loop().loop
         fut = tc.optim_step()
-        failing = sampler.sample(trio.ModelInput.from_ints([1, 2]))
+        failing = sampler.sample(trio.ModelInput.from_ints([1, 2]), 1, trio.SamplingParams(max_tokens=2))
         await asyncio.sleep(0.02)
         assert not fut.done()
         transport.release()
@@ -152,7 +152,8 @@ def test_async_twins_return_awaitables():
         assert (await asyncio.wait_for(fut, WAIT)).metrics == {"step": 1.0}  # ... awaiting that, the result
 
         sampler = SamplingClient(Session(transport), "s-1", MODEL)
-        sample_future = await sampler.sample_async(trio.ModelInput.from_ints([1, 2]), num_samples=1)
+        sample_future = await sampler.sample_async(trio.ModelInput.from_ints([1, 2]), num_samples=1,
+                                                   sampling_params=trio.SamplingParams(max_tokens=2))
         assert isinstance(sample_future, trio.APIFuture)
         assert (await asyncio.wait_for(sample_future, WAIT)).sequences[0].tokens == [5]
 
