@@ -39,8 +39,19 @@ class Session:
         """Submit ``request`` as ``op`` and wait for its result (on the SDK's loop)."""
         return await on_background(self._call(op, request, result_type))
 
+    async def submit(self, op: str, request: BaseModel) -> str:
+        """Submit only (the service answers at once); returns the request id."""
+        return await on_background(self._submit(op, request.model_dump(mode="json")))
+
+    async def result(self, request_id: str, result_type: type[R]) -> R:
+        """Wait for the outcome of a submitted request."""
+        return await on_background(self._result(request_id, result_type))
+
     async def _call(self, op: str, request: BaseModel, result_type: type[R]) -> R:
         request_id = await self._submit(op, request.model_dump(mode="json"))
+        return await self._result(request_id, result_type)
+
+    async def _result(self, request_id: str, result_type: type[R]) -> R:
         while True:
             state = await self._retrieve(request_id)
             if state.status == "done":

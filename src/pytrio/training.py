@@ -1,26 +1,28 @@
 """TrainingClient: one LoRA training run on the service.
 
-Calls execute strictly in the order they are made: each gets the next sequence number
-at call time and the service runs a run's requests in that order, so
-``forward_backward`` and ``optim_step`` may be submitted back to back before waiting.
+Calls execute strictly in the order they are made, so ``forward_backward`` and
+``optim_step`` may be submitted back to back before waiting. Each call is sent in call
+order and numbered as it is sent (see ``ordering``): no timing, no timeout, can let a
+later call run before an earlier one.
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import secrets
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import types as t
-from .errors import validated
+from .errors import ValidationError, validated
 from .futures import APIFuture, async_twin, run_sync, schedule, sync_twin
+from .ordering import SubmitOrder, Ticket
 from .sampling import SamplingClient, new_sampling_client
 from .session import Session
 
 CustomLossFn = Callable[[list[t.Datum], list[Any]], tuple[Any, dict[str, float]]]
-
+LossFn = str | CustomLossFn
 
 class TrainingClient:
     """Train one LoRA adapter: forward_backward, optim_step, checkpoints, sampling.
@@ -35,8 +37,8 @@ class TrainingClient:
         self._session = session
         self.model_id = model_id
         self.base_model = base_model
-        self._seq = itertools.count()
-        self._seq_lock = threading.Lock()
+        self._order = SubmitOrder()
+        self._in_loss_fn = threading.local()  # set in the thread running a custom loss_fn
 
     def __repr__(self) -> str:
         return f"TrainingClient(model_id={self.model_id!r}, base_model={self.base_model!r})"
@@ -45,12 +47,29 @@ class TrainingClient:
 
     def _submit(self, op: str, request_type: type[Any], result_type: type[Any], **fields: Any) -> APIFuture:
         request = validated(request_type, model_id=self.model_id, seq=0, **fields)
-        request.seq = self._next_seq()  # only a valid request takes a sequence number
-        return schedule(self._session.call(op, request, result_type))
+        (ticket,) = self._take(op)  # only a valid request takes a place in the order
+        return schedule(self._ordered(op, request, result_type, ticket))
 
-    def _next_seq(self) -> int:
-        with self._seq_lock:
-            return next(self._seq)
+    def _take(self, op: str, count: int = 1) -> list[Ticket]:
+        if getattr(self._in_loss_fn, "active", False):
+            raise ValidationError(
+                f"{op}: called inside this client's forward_backward_custom loss_fn; it would run after "
+                "that very backward, which waits for the loss: use another client than the same "
+                "TrainingClient, or make the call before or after")
+        return self._order.take(count)
+
+    async def _ordered(self, op: str, request: Any, result_type: type[Any], ticket: Ticket) -> Any:
+        request_id = await self._send(op, request, ticket)
+        return await self._session.result(request_id, result_type)
+
+    async def _send(self, op: str, request: Any, ticket: Ticket) -> str:
+        """Submit once every earlier call was sent, numbered then; then let the next go."""
+        try:
+            await ticket.turn()
+            request.seq = ticket.number()
+            return await self._session.submit(op, request)
+        finally:
+            ticket.release()
 
     def forward(
         self, data: Sequence[t.Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, float] | None = None
@@ -60,13 +79,16 @@ class TrainingClient:
                             data=list(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config)
 
     def forward_backward(
-        self, data: Sequence[t.Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, float] | None = None
+        self, data: Sequence[t.Datum], loss_fn: LossFn = "cross_entropy",
+        loss_fn_config: dict[str, float] | None = None,
     ) -> APIFuture[t.ForwardBackwardOutput]:
         """Compute the loss and add its gradient to the run's accumulated gradients.
 
         Args:
             data: datums with ``target_tokens`` and the loss's inputs in ``loss_fn_inputs``.
-            loss_fn: ``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo`` or ``dro``.
+            loss_fn: ``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo`` or ``dro``;
+                or a function ``loss_fn(data, logprobs) -> (loss, metrics)``, which runs as
+                ``forward_backward_custom`` (then ``loss_fn_config`` must be None).
             loss_fn_config: e.g. ``{"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}``.
         Returns:
             A future of ``ForwardBackwardOutput`` (per-datum logprobs and elementwise_loss,
@@ -74,6 +96,10 @@ class TrainingClient:
         Raises:
             ValidationError: naming the datum index, field and value.
         """
+        if callable(loss_fn):
+            if loss_fn_config is not None:
+                raise ValidationError("loss_fn_config: a custom loss_fn takes no config; close over it instead")
+            return self.forward_backward_custom(data, loss_fn)
         return self._submit("forward_backward", t.ForwardRequest, t.ForwardBackwardOutput,
                             data=list(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config)
 
@@ -85,22 +111,49 @@ class TrainingClient:
         differentiated locally, and a ``cross_entropy`` forward_backward with
         ``weights = -dloss/dlogprobs`` puts exactly that gradient on the weights.
         Needs torch on the client.
+
+        Ordering: the call holds its place for both passes; later calls on this client
+        are sent after its backward, however long the forward and the loss take. If the
+        forward fails or ``loss_fn`` raises, the place is freed at once and later calls
+        go on; the future raises that error.
+
+        ``loss_fn`` runs in a worker thread, not on the SDK's event loop, so it may use
+        the SDK (a sampler, another client). It may not call this client's ordered
+        operations: they would queue behind this very backward (ValidationError).
         """
         data = validated(t.ForwardRequest, model_id=self.model_id, seq=0, data=list(data)).data
         targets_only = [
             t.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
             for d in data
         ]
-        forward = validated(t.ForwardRequest, model_id=self.model_id, seq=self._next_seq(), data=targets_only)
-        backward_seq = self._next_seq()  # reserved now, so later calls queue behind it
-        return schedule(self._custom(data, loss_fn, forward, backward_seq))
+        forward = validated(t.ForwardRequest, model_id=self.model_id, seq=0, data=targets_only)
+        forward_ticket, backward_ticket = self._take("forward_backward_custom", 2)
+        return schedule(self._custom(data, loss_fn, forward, forward_ticket, backward_ticket))
 
-    async def _custom(self, data: list[t.Datum], loss_fn: CustomLossFn, forward: t.ForwardRequest, seq: int) -> t.ForwardBackwardOutput:
+    async def _custom(self, data: list[t.Datum], loss_fn: CustomLossFn, forward: t.ForwardRequest,
+                      forward_ticket: Ticket, backward_ticket: Ticket) -> t.ForwardBackwardOutput:
+        try:
+            out = await self._ordered("forward", forward, t.ForwardBackwardOutput, forward_ticket)
+            weighted, loss, metrics = await asyncio.to_thread(self._gradients, data, loss_fn, out)
+            backward = t.ForwardRequest(model_id=self.model_id, seq=0, data=weighted, loss_fn="cross_entropy")
+            request_id = await self._send("forward_backward", backward, backward_ticket)
+        finally:
+            backward_ticket.release()  # a failed forward or loss frees its place at once
+        result = await self._session.result(request_id, t.ForwardBackwardOutput)
+        result.metrics = {**result.metrics, **metrics, "loss:sum": loss}
+        return result
+
+    def _gradients(self, data: list[t.Datum], loss_fn: CustomLossFn,
+                   out: t.ForwardBackwardOutput) -> tuple[list[t.Datum], float, dict[str, float]]:
+        """Run the user's loss (in a worker thread) and turn its gradient into weights."""
         import torch
 
-        out = await self._session.call("forward", forward, t.ForwardBackwardOutput)
         logprobs = [torch.tensor(o["logprobs"].data, dtype=torch.float32, requires_grad=True) for o in out.loss_fn_outputs]
-        loss, metrics = loss_fn(data, logprobs)
+        self._in_loss_fn.active = True
+        try:
+            loss, metrics = loss_fn(data, logprobs)
+        finally:
+            self._in_loss_fn.active = False
         grads = torch.autograd.grad(loss, logprobs, allow_unused=True)
         weighted = [
             t.Datum(model_input=d.model_input, loss_fn_inputs={
@@ -108,10 +161,7 @@ class TrainingClient:
                 "weights": t.TensorData.coerce((-g if g is not None else torch.zeros_like(lp)).tolist())})
             for d, g, lp in zip(data, grads, logprobs)
         ]
-        request = t.ForwardRequest(model_id=self.model_id, seq=seq, data=weighted, loss_fn="cross_entropy")
-        result = await self._session.call("forward_backward", request, t.ForwardBackwardOutput)
-        result.metrics = {**result.metrics, **{k: float(v) for k, v in metrics.items()}, "loss:sum": float(loss.detach())}
-        return result
+        return weighted, float(loss.detach()), {k: float(v) for k, v in metrics.items()}
 
     def optim_step(self, adam_params: t.AdamParams | None = None) -> APIFuture[t.OptimStepResponse]:
         """Apply AdamW to the accumulated gradients, then clear them."""

@@ -54,9 +54,9 @@ class TensorData(_Model):
     def as_dtype(self, dtype: DType) -> TensorData:
         """This tensor with ``dtype``; int64 refuses a value that is not a whole number."""
         if dtype == "int64":
-            bad = next((v for v in self.data if v != int(v)), None)
+            bad = next(((k, v) for k, v in enumerate(self.data) if not math.isfinite(v) or v != int(v)), None)
             if bad is not None:
-                raise ValueError(f"{bad!r} is not an integer, at index {self.data.index(bad)}")
+                raise ValueError(f"{bad[1]!r} is not an integer, at index {bad[0]}")
             data: list[float] | list[int] = [int(v) for v in self.data]
         else:
             data = [float(v) for v in self.data]
