@@ -11,7 +11,7 @@ from typing import Any
 
 from . import types as t
 from .errors import ValidationError, validated
-from .futures import APIFuture, async_twin, run_sync, schedule
+from .futures import APIFuture, run_sync, schedule
 from .session import Session
 
 
@@ -66,8 +66,24 @@ class SamplingClient:
     async def _logprobs(self, request: t.ComputeLogprobsRequest) -> list[float | None]:
         return (await self._session.call("compute_logprobs", request, t.ComputeLogprobsResponse)).logprobs
 
-    sample_async = async_twin(sample)
-    compute_logprobs_async = async_twin(compute_logprobs)
+    # Unlike the training twins (which give a future, so calls pipeline), the sampling
+    # twins give the result: awaited once it is usable, as in Tinker, and awaited twice
+    # (the user docs) it is still the result (see types.AwaitableResult).
+
+    async def sample_async(
+        self,
+        prompt: t.ModelInput,
+        num_samples: int = 1,
+        sampling_params: t.SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+    ) -> t.SampleResponse:
+        """``sample``, awaited: ``(await sc.sample_async(...)).sequences``. The result is
+        awaitable too, so ``fut = await sc.sample_async(...); res = await fut`` works."""
+        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs)
+
+    async def compute_logprobs_async(self, prompt: t.ModelInput) -> t.PromptLogprobs:
+        """``compute_logprobs``, awaited; a list that is itself awaitable, like ``sample_async``'s."""
+        return t.PromptLogprobs(await self.compute_logprobs(prompt))
 
     async def get_tokenizer_async(self) -> Any:
         return await self._session.tokenizer(self.base_model)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import math
 import re
+from collections.abc import Generator
 from typing import Any, Literal
 
 import numpy as np
@@ -221,6 +222,29 @@ class SamplingParams(_Model):
 # --------------------------------------------------------------------------- responses
 
 
+class AwaitableResult:
+    """A result that is its own finished future: ``await r`` and ``r.result()`` give ``r``.
+
+    The sampling twins return results, as Tinker's do (``(await sc.sample_async(...)).sequences``);
+    being awaitable, they also serve code written for a future, as in the user docs
+    (``fut = await sc.sample_async(...); res = await fut``).
+    """
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self
+        yield  # a generator that finishes at once: awaiting costs nothing
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self
+
+    def done(self) -> bool:
+        return True
+
+
+class PromptLogprobs(AwaitableResult, list):  # type: ignore[type-arg]
+    """``compute_logprobs_async``'s result: a list of floats (None for the first token)."""
+
+
 class ForwardBackwardOutput(_Model):
     """Per datum ``{"logprobs", "elementwise_loss"}``; ``metrics`` has ``loss:sum``."""
 
@@ -253,7 +277,7 @@ class SampledSequence(_Model):
     stop_reason: Literal["stop", "length"]
 
 
-class SampleResponse(_Model):
+class SampleResponse(AwaitableResult, _Model):
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
 
