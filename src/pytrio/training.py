@@ -2,8 +2,8 @@
 
 Calls execute strictly in the order they are made, so ``forward_backward`` and
 ``optim_step`` may be submitted back to back before waiting. Each call is sent in call
-order and numbered as it is sent (see ``ordering``): no timing, no timeout, can let a
-later call run before an earlier one.
+order and numbered as it is sent (see ``ordering``), so no timing (a slow custom loss,
+a submit retried through a restart) can let a later call run before an earlier one.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .session import Session
 
 CustomLossFn = Callable[[list[t.Datum], list[Any]], tuple[Any, dict[str, float]]]
 LossFn = str | CustomLossFn
+
 
 class TrainingClient:
     """Train one LoRA adapter: forward_backward, optim_step, checkpoints, sampling.
@@ -53,9 +54,8 @@ class TrainingClient:
     def _take(self, op: str, count: int = 1) -> list[Ticket]:
         if getattr(self._in_loss_fn, "active", False):
             raise ValidationError(
-                f"{op}: called inside this client's forward_backward_custom loss_fn; it would run after "
-                "that very backward, which waits for the loss: use another client than the same "
-                "TrainingClient, or make the call before or after")
+                f"{op}: called inside forward_backward_custom's loss_fn on the same TrainingClient; it "
+                "would run after that backward, which waits for the loss (a deadlock). Call it before or after")
         return self._order.take(count)
 
     async def _ordered(self, op: str, request: Any, result_type: type[Any], ticket: Ticket) -> Any:

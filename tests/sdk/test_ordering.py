@@ -64,7 +64,7 @@ class FakeService(OperationsOnly):
         return request_id
 
     def release(self, op: str) -> None:
-        for (sent_op, _), outcome, body in zip(self.submits, self.outcomes.values(), self.bodies):
+        for (sent_op, _), outcome, body in zip(list(self.submits), list(self.outcomes.values()), list(self.bodies)):
             if sent_op == op and not outcome.done():
                 outcome.set_result(result_for(op, body))
 
