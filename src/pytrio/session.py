@@ -58,7 +58,8 @@ class Session:
                 return result_type.model_validate(state.result)
             if state.status == "failed":
                 assert state.error is not None
-                raise error_from_category(state.error.category, state.error.message, request_id)
+                raise error_from_category(state.error.category, state.error.message, request_id,
+                                          state.error.status_code)
 
     async def _retrieve(self, request_id: str) -> FutureResponse:
         """One long poll; rides out a service restart for up to RECONNECT_SECONDS."""

@@ -9,7 +9,6 @@ a submit retried through a restart) can let a later call run before an earlier o
 from __future__ import annotations
 
 import asyncio
-import secrets
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -168,9 +167,15 @@ class TrainingClient:
         return self._submit("optim_step", t.OptimStepRequest, t.OptimStepResponse,
                             adam_params=adam_params or t.AdamParams())
 
-    def save_state(self, name: str) -> APIFuture[t.SaveWeightsResponse]:
-        """Save adapter + optimizer state; ``.path`` is ``trio://<run>/weights/<name>``."""
-        return self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsResponse, name=name, kind="weights")
+    def save_state(self, name: str, overwrite: bool = False) -> APIFuture[t.SaveWeightsResponse]:
+        """Save adapter + optimizer state; ``.path`` is ``trio://<run>/weights/<name>``.
+
+        Raises:
+            ValidationError: (status 409) the run already has a checkpoint ``name`` and
+                ``overwrite`` is False; nothing is written.
+        """
+        return self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsResponse, name=name, kind="weights",
+                            overwrite=overwrite)
 
     def load_state(self, path: str) -> APIFuture[t.LoadWeightsResponse]:
         """Load adapter weights from a training-state checkpoint; optimizer state starts fresh."""
@@ -180,10 +185,15 @@ class TrainingClient:
         """Load adapter weights and the optimizer's moments and step."""
         return self._submit("load_weights", t.LoadWeightsRequest, t.LoadWeightsResponse, path=path, with_optimizer=True)
 
-    def save_weights_for_sampler(self, name: str) -> APIFuture[t.SaveWeightsForSamplerResponse]:
-        """Save a PEFT adapter folder; ``.path`` is ``trio://<run>/sampler_weights/<name>``."""
+    def save_weights_for_sampler(self, name: str, overwrite: bool = False) -> APIFuture[t.SaveWeightsForSamplerResponse]:
+        """Save a PEFT adapter folder; ``.path`` is ``trio://<run>/sampler_weights/<name>``.
+
+        A used ``name`` is refused (ValidationError, status 409) unless ``overwrite``.
+        With ``overwrite=True``, samplers already made on that path sample the new
+        weights from their next request.
+        """
         return self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsForSamplerResponse,
-                            name=name, kind="sampler_weights")
+                            name=name, kind="sampler_weights", overwrite=overwrite)
 
     forward_async = async_twin(forward)
     forward_backward_async = async_twin(forward_backward)
@@ -200,9 +210,22 @@ class TrainingClient:
         """A sampler over saved sampler weights (any ``trio://`` path you own)."""
         return await new_sampling_client(self._session, model_path=model_path)
 
-    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
-        """Save sampler weights (named ``name``, or a fresh name) and return a sampler on them."""
-        saved = await self.save_weights_for_sampler(name or f"sampler-{secrets.token_hex(6)}")
+    async def save_weights_and_get_sampling_client_async(
+        self, name: str | None = None, overwrite: bool = False
+    ) -> SamplingClient:
+        """Save the current weights for sampling and return a sampler on them.
+
+        With a ``name``: a checkpoint, as ``save_weights_for_sampler(name, overwrite)``.
+        Without: ephemeral weights, just for this sampler. They are not listed among the
+        checkpoints, and the service removes them when it restarts, or once the run has
+        saved ``ephemeral_samplers_per_run`` (default 8) newer ones; a sampler on removed
+        weights raises NotFoundError.
+        """
+        if name is None:
+            saved = await self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsForSamplerResponse,
+                                       kind="ephemeral")
+        else:
+            saved = await self.save_weights_for_sampler(name, overwrite)
         return await self.create_sampling_client_async(saved.path)
 
     async def get_info_async(self) -> t.GetInfoResponse:

@@ -400,17 +400,27 @@ class OptimStepRequest(_RunRequest):
 
 
 class SaveWeightsRequest(_RunRequest):
-    name: str
-    kind: Literal["weights", "sampler_weights"]
+    """Save a checkpoint. ``ephemeral`` sampler weights are named by the service, never
+    listed, and removed when the service restarts or the run saves too many more."""
+
+    name: str | None = None
+    kind: Literal["weights", "sampler_weights", "ephemeral"]
+    overwrite: bool = False  # False: a used name is refused (409)
 
     @field_validator("name")
     @classmethod
-    def _valid_name(cls, name: str) -> str:
-        if not CHECKPOINT_NAME.match(name):
+    def _valid_name(cls, name: str | None) -> str | None:
+        if name is not None and not CHECKPOINT_NAME.match(name):
             raise ValueError(
                 f"name {name!r}: use 1-128 letters, digits, '.', '_' or '-'"
             )
         return name
+
+    @model_validator(mode="after")
+    def _named_unless_ephemeral(self) -> SaveWeightsRequest:
+        if (self.name is None) != (self.kind == "ephemeral"):
+            raise ValueError("name: required for a checkpoint, and given by the service for ephemeral weights")
+        return self
 
 
 class LoadWeightsRequest(_RunRequest):
@@ -454,6 +464,7 @@ class RetrieveFutureRequest(_Model):
 class ErrorInfo(_Model):
     category: str  # validation | not_found | capacity | server | ...
     message: str
+    status_code: int | None = None  # the HTTP status it has (None: the category's usual one)
 
 
 class FutureResponse(_Model):
