@@ -24,6 +24,16 @@ _M = TypeVar("_M", bound=pydantic.BaseModel)
 
 
 class TrioError(Exception):
+    """Base of every SDK error.
+
+    Attributes:
+        message: what went wrong, naming the field and value for bad input.
+        request_id: the operation's id, when the service assigned one.
+        status_code: the HTTP status (for an operation's failed outcome, and in-process,
+            the status its category has over HTTP: 400, 401, 404, 429 or 500).
+        retry_after: seconds the service asked to wait before retrying (``Retry-After``).
+    """
+
     category = "server"
 
     def __init__(self, message: str, request_id: str | None = None, status_code: int | None = None):
@@ -31,6 +41,7 @@ class TrioError(Exception):
         self.message = message
         self.request_id = request_id
         self.status_code = status_code
+        self.retry_after: float | None = None
 
     def __str__(self) -> str:
         return f"{self.message} (request_id={self.request_id})" if self.request_id else self.message
@@ -68,9 +79,18 @@ _BY_CATEGORY = {cls.category: cls for cls in (ValidationError, AuthenticationErr
 _BY_STATUS = {400: ValidationError, 401: AuthenticationError, 403: AuthenticationError, 404: NotFoundError, 413: ValidationError, 422: ValidationError, 429: CapacityError}
 
 
+_STATUS_BY_CATEGORY = {"validation": 400, "authentication": 401, "not_found": 404, "capacity": 429}
+
+
 def error_from_category(category: str, message: str, request_id: str | None = None,
                         status: int | None = None) -> TrioError:
+    status = status or _STATUS_BY_CATEGORY.get(category, 500)
     return _BY_CATEGORY.get(category, ServerError)(message, request_id, status)
+
+
+def is_transient(exc: TrioError) -> bool:
+    """Worth submitting again (same idempotency key): unreachable, overloaded, or a 5xx."""
+    return isinstance(exc, ConnectionError | CapacityError | ServerError)
 
 
 def error_from_status(status: int, message: str, request_id: str | None = None) -> TrioError:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from . import types as t
-from .errors import validated
-from .futures import APIFuture, async_twin, run_sync, schedule
+from .errors import ValidationError, validated
+from .futures import APIFuture, run_sync, schedule
 from .session import Session
 
 
@@ -46,11 +46,15 @@ class SamplingClient:
         their ``logprobs`` under the model (temperature 1, the trainer's numerics),
         ``text`` (the tokens decoded, special tokens skipped) and ``stop_reason``
         (``"stop"`` or ``"length"``). With ``include_prompt_logprobs`` the response also has
-        ``prompt_logprobs`` (None for the first token).
+        ``prompt_logprobs`` (None for the first token). ``sampling_params`` is required:
+        ``max_tokens`` has no default. Sequences stop at EOS unless ``ignore_eos=True``.
         """
+        if sampling_params is None:
+            raise ValidationError("sampling_params: required, e.g. trio.SamplingParams(max_tokens=20) "
+                                  "(max_tokens has no default)")
         request = validated(
             t.SampleRequest, sampler_id=self.sampler_id, prompt=prompt, num_samples=num_samples,
-            sampling_params=sampling_params or t.SamplingParams(), include_prompt_logprobs=include_prompt_logprobs,
+            sampling_params=sampling_params, include_prompt_logprobs=include_prompt_logprobs,
         )
         return schedule(self._session.call("sample", request, t.SampleResponse))
 
@@ -62,8 +66,24 @@ class SamplingClient:
     async def _logprobs(self, request: t.ComputeLogprobsRequest) -> list[float | None]:
         return (await self._session.call("compute_logprobs", request, t.ComputeLogprobsResponse)).logprobs
 
-    sample_async = async_twin(sample)
-    compute_logprobs_async = async_twin(compute_logprobs)
+    # Unlike the training twins (which give a future, so calls pipeline), the sampling
+    # twins give the result: awaited once it is usable, as in Tinker, and awaited twice
+    # (the user docs) it is still the result (see types.AwaitableResult).
+
+    async def sample_async(
+        self,
+        prompt: t.ModelInput,
+        num_samples: int = 1,
+        sampling_params: t.SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+    ) -> t.SampleResponse:
+        """``sample``, awaited: ``(await sc.sample_async(...)).sequences``. The result is
+        awaitable too, so ``fut = await sc.sample_async(...); res = await fut`` works."""
+        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs)
+
+    async def compute_logprobs_async(self, prompt: t.ModelInput) -> t.PromptLogprobs:
+        """``compute_logprobs``, awaited; a list that is itself awaitable, like ``sample_async``'s."""
+        return t.PromptLogprobs(await self.compute_logprobs(prompt))
 
     async def get_tokenizer_async(self) -> Any:
         return await self._session.tokenizer(self.base_model)

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from .errors import ConnectionError as TrioConnectionError
 from .errors import TimeoutError as TrioTimeoutError
-from .errors import TrioError, error_from_category
+from .errors import TrioError, error_from_category, is_transient
 from .futures import on_background
 from .transport import Transport
 from .types import FutureResponse
@@ -39,15 +39,27 @@ class Session:
         """Submit ``request`` as ``op`` and wait for its result (on the SDK's loop)."""
         return await on_background(self._call(op, request, result_type))
 
+    async def submit(self, op: str, request: BaseModel) -> str:
+        """Submit only (the service answers at once); returns the request id."""
+        return await on_background(self._submit(op, request.model_dump(mode="json")))
+
+    async def result(self, request_id: str, result_type: type[R]) -> R:
+        """Wait for the outcome of a submitted request."""
+        return await on_background(self._result(request_id, result_type))
+
     async def _call(self, op: str, request: BaseModel, result_type: type[R]) -> R:
         request_id = await self._submit(op, request.model_dump(mode="json"))
+        return await self._result(request_id, result_type)
+
+    async def _result(self, request_id: str, result_type: type[R]) -> R:
         while True:
             state = await self._retrieve(request_id)
             if state.status == "done":
                 return result_type.model_validate(state.result)
             if state.status == "failed":
                 assert state.error is not None
-                raise error_from_category(state.error.category, state.error.message, request_id)
+                raise error_from_category(state.error.category, state.error.message, request_id,
+                                          state.error.status_code)
 
     async def _retrieve(self, request_id: str) -> FutureResponse:
         """One long poll; rides out a service restart for up to RECONNECT_SECONDS."""
@@ -67,41 +79,50 @@ class Session:
                 raise
 
     async def _submit(self, op: str, body: dict[str, Any]) -> str:
-        """Retries reuse one idempotency key, so a retried submit never runs twice."""
+        """Submit, retrying what may pass on its own (unreachable, 429, 5xx) for up to
+        RECONNECT_SECONDS: with exponential back-off, or as long as ``Retry-After`` asks.
+        Retries reuse one idempotency key, so a retried submit never runs twice."""
         key = uuid.uuid4().hex
         deadline = time.monotonic() + RECONNECT_SECONDS  # ride out a service restart
         delay = 0.1
         while True:
             try:
                 return await self.transport.submit(op, body, key)
-            except TrioConnectionError:
-                if time.monotonic() > deadline:
+            except TrioError as exc:
+                if not is_transient(exc) or time.monotonic() > deadline:
                     raise
-                await asyncio.sleep(delay)
+                await asyncio.sleep(exc.retry_after if exc.retry_after is not None else delay)
                 delay = min(2.0, delay * 2)
 
     async def tokenizer(self, base_model: str) -> Any:
         """A Hugging Face tokenizer from files the service provides (no model hub)."""
         if base_model not in self._tokenizers:
             files = await on_background(self.transport.tokenizer_files(base_model))
-            self._tokenizers[base_model] = await asyncio.to_thread(_load_tokenizer, files.files)
+            self._tokenizers[base_model] = await asyncio.to_thread(_load_tokenizer, files.contents())
         return self._tokenizers[base_model]
 
 
-def _load_tokenizer(files: dict[str, str]) -> Any:
+def _load_tokenizer(files: dict[str, bytes]) -> Any:
     # PreTrainedTokenizerFast, not AutoTokenizer: the latter imports torch when installed,
     # and the SDK must stay torch-free. The server always ships a tokenizer.json.
     from transformers import PreTrainedTokenizerFast
 
-    digest = hashlib.sha256("".join(sorted(files)).encode() + files.get("tokenizer.json", "").encode()).hexdigest()[:16]
-    folder = Path(os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio") / "client-tokenizers" / digest
+    folder = Path(os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio") / "client-tokenizers" / _digest(files)
     if not (folder / "tokenizer_config.json").exists():
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
-        for name, text in files.items():
-            (tmp / name).write_text(text)
+        for name, content in files.items():
+            (tmp / name).write_bytes(content)
         try:
             tmp.rename(folder)
         except OSError:  # another process won the race; its copy is identical
             shutil.rmtree(tmp, ignore_errors=True)
     return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+def _digest(files: dict[str, bytes]) -> str:
+    """The cache key: every file's name and content, so any change gives a fresh folder."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(hashlib.sha256(name.encode()).digest() + hashlib.sha256(files[name]).digest())
+    return h.hexdigest()[:32]

@@ -1,25 +1,27 @@
 """TrainingClient: one LoRA training run on the service.
 
-Calls execute strictly in the order they are made: each gets the next sequence number
-at call time and the service runs a run's requests in that order, so
-``forward_backward`` and ``optim_step`` may be submitted back to back before waiting.
+Calls execute strictly in the order they are made, so ``forward_backward`` and
+``optim_step`` may be submitted back to back before waiting. Each call is sent in call
+order and numbered as it is sent (see ``ordering``), so no timing (a slow custom loss,
+a submit retried through a restart) can let a later call run before an earlier one.
 """
 
 from __future__ import annotations
 
-import itertools
-import secrets
+import asyncio
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import types as t
-from .errors import validated
+from .errors import ValidationError, validated
 from .futures import APIFuture, async_twin, run_sync, schedule, sync_twin
+from .ordering import SubmitOrder, Ticket
 from .sampling import SamplingClient, new_sampling_client
 from .session import Session
 
 CustomLossFn = Callable[[list[t.Datum], list[Any]], tuple[Any, dict[str, float]]]
+LossFn = str | CustomLossFn
 
 
 class TrainingClient:
@@ -35,8 +37,8 @@ class TrainingClient:
         self._session = session
         self.model_id = model_id
         self.base_model = base_model
-        self._seq = itertools.count()
-        self._seq_lock = threading.Lock()
+        self._order = SubmitOrder()
+        self._in_loss_fn = threading.local()  # set in the thread running a custom loss_fn
 
     def __repr__(self) -> str:
         return f"TrainingClient(model_id={self.model_id!r}, base_model={self.base_model!r})"
@@ -45,12 +47,28 @@ class TrainingClient:
 
     def _submit(self, op: str, request_type: type[Any], result_type: type[Any], **fields: Any) -> APIFuture:
         request = validated(request_type, model_id=self.model_id, seq=0, **fields)
-        request.seq = self._next_seq()  # only a valid request takes a sequence number
-        return schedule(self._session.call(op, request, result_type))
+        (ticket,) = self._take(op)  # only a valid request takes a place in the order
+        return schedule(self._ordered(op, request, result_type, ticket))
 
-    def _next_seq(self) -> int:
-        with self._seq_lock:
-            return next(self._seq)
+    def _take(self, op: str, count: int = 1) -> list[Ticket]:
+        if getattr(self._in_loss_fn, "active", False):
+            raise ValidationError(
+                f"{op}: called inside forward_backward_custom's loss_fn on the same TrainingClient; it "
+                "would run after that backward, which waits for the loss (a deadlock). Call it before or after")
+        return self._order.take(count)
+
+    async def _ordered(self, op: str, request: Any, result_type: type[Any], ticket: Ticket) -> Any:
+        request_id = await self._send(op, request, ticket)
+        return await self._session.result(request_id, result_type)
+
+    async def _send(self, op: str, request: Any, ticket: Ticket) -> str:
+        """Submit once every earlier call was sent, numbered then; then let the next go."""
+        try:
+            await ticket.turn()
+            request.seq = ticket.number()
+            return await self._session.submit(op, request)
+        finally:
+            ticket.release()
 
     def forward(
         self, data: Sequence[t.Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, float] | None = None
@@ -60,13 +78,16 @@ class TrainingClient:
                             data=list(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config)
 
     def forward_backward(
-        self, data: Sequence[t.Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, float] | None = None
+        self, data: Sequence[t.Datum], loss_fn: LossFn = "cross_entropy",
+        loss_fn_config: dict[str, float] | None = None,
     ) -> APIFuture[t.ForwardBackwardOutput]:
         """Compute the loss and add its gradient to the run's accumulated gradients.
 
         Args:
             data: datums with ``target_tokens`` and the loss's inputs in ``loss_fn_inputs``.
-            loss_fn: ``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo`` or ``dro``.
+            loss_fn: ``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo`` or ``dro``;
+                or a function ``loss_fn(data, logprobs) -> (loss, metrics)``, which runs as
+                ``forward_backward_custom`` (then ``loss_fn_config`` must be None).
             loss_fn_config: e.g. ``{"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}``.
         Returns:
             A future of ``ForwardBackwardOutput`` (per-datum logprobs and elementwise_loss,
@@ -74,6 +95,10 @@ class TrainingClient:
         Raises:
             ValidationError: naming the datum index, field and value.
         """
+        if callable(loss_fn):
+            if loss_fn_config is not None:
+                raise ValidationError("loss_fn_config: a custom loss_fn takes no config; close over it instead")
+            return self.forward_backward_custom(data, loss_fn)
         return self._submit("forward_backward", t.ForwardRequest, t.ForwardBackwardOutput,
                             data=list(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config)
 
@@ -85,22 +110,49 @@ class TrainingClient:
         differentiated locally, and a ``cross_entropy`` forward_backward with
         ``weights = -dloss/dlogprobs`` puts exactly that gradient on the weights.
         Needs torch on the client.
+
+        Ordering: the call holds its place for both passes; later calls on this client
+        are sent after its backward, however long the forward and the loss take. If the
+        forward fails or ``loss_fn`` raises, the place is freed at once and later calls
+        go on; the future raises that error.
+
+        ``loss_fn`` runs in a worker thread, not on the SDK's event loop, so it may use
+        the SDK (a sampler, another client). It may not call this client's ordered
+        operations: they would queue behind this very backward (ValidationError).
         """
-        data = list(data)
+        data = validated(t.ForwardRequest, model_id=self.model_id, seq=0, data=list(data)).data
         targets_only = [
             t.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
             for d in data
         ]
-        forward = validated(t.ForwardRequest, model_id=self.model_id, seq=self._next_seq(), data=targets_only)
-        backward_seq = self._next_seq()  # reserved now, so later calls queue behind it
-        return schedule(self._custom(data, loss_fn, forward, backward_seq))
+        forward = validated(t.ForwardRequest, model_id=self.model_id, seq=0, data=targets_only)
+        forward_ticket, backward_ticket = self._take("forward_backward_custom", 2)
+        return schedule(self._custom(data, loss_fn, forward, forward_ticket, backward_ticket))
 
-    async def _custom(self, data: list[t.Datum], loss_fn: CustomLossFn, forward: t.ForwardRequest, seq: int) -> t.ForwardBackwardOutput:
+    async def _custom(self, data: list[t.Datum], loss_fn: CustomLossFn, forward: t.ForwardRequest,
+                      forward_ticket: Ticket, backward_ticket: Ticket) -> t.ForwardBackwardOutput:
+        try:
+            out = await self._ordered("forward", forward, t.ForwardBackwardOutput, forward_ticket)
+            weighted, loss, metrics = await asyncio.to_thread(self._gradients, data, loss_fn, out)
+            backward = t.ForwardRequest(model_id=self.model_id, seq=0, data=weighted, loss_fn="cross_entropy")
+            request_id = await self._send("forward_backward", backward, backward_ticket)
+        finally:
+            backward_ticket.release()  # a failed forward or loss frees its place at once
+        result = await self._session.result(request_id, t.ForwardBackwardOutput)
+        result.metrics = {**result.metrics, **metrics, "loss:sum": loss}
+        return result
+
+    def _gradients(self, data: list[t.Datum], loss_fn: CustomLossFn,
+                   out: t.ForwardBackwardOutput) -> tuple[list[t.Datum], float, dict[str, float]]:
+        """Run the user's loss (in a worker thread) and turn its gradient into weights."""
         import torch
 
-        out = await self._session.call("forward", forward, t.ForwardBackwardOutput)
         logprobs = [torch.tensor(o["logprobs"].data, dtype=torch.float32, requires_grad=True) for o in out.loss_fn_outputs]
-        loss, metrics = loss_fn(data, logprobs)
+        self._in_loss_fn.active = True
+        try:
+            loss, metrics = loss_fn(data, logprobs)
+        finally:
+            self._in_loss_fn.active = False
         grads = torch.autograd.grad(loss, logprobs, allow_unused=True)
         weighted = [
             t.Datum(model_input=d.model_input, loss_fn_inputs={
@@ -108,19 +160,22 @@ class TrainingClient:
                 "weights": t.TensorData.coerce((-g if g is not None else torch.zeros_like(lp)).tolist())})
             for d, g, lp in zip(data, grads, logprobs)
         ]
-        request = t.ForwardRequest(model_id=self.model_id, seq=seq, data=weighted, loss_fn="cross_entropy")
-        result = await self._session.call("forward_backward", request, t.ForwardBackwardOutput)
-        result.metrics = {**result.metrics, **{k: float(v) for k, v in metrics.items()}, "loss:sum": float(loss.detach())}
-        return result
+        return weighted, float(loss.detach()), {k: float(v) for k, v in metrics.items()}
 
     def optim_step(self, adam_params: t.AdamParams | None = None) -> APIFuture[t.OptimStepResponse]:
         """Apply AdamW to the accumulated gradients, then clear them."""
         return self._submit("optim_step", t.OptimStepRequest, t.OptimStepResponse,
                             adam_params=adam_params or t.AdamParams())
 
-    def save_state(self, name: str) -> APIFuture[t.SaveWeightsResponse]:
-        """Save adapter + optimizer state; ``.path`` is ``trio://<run>/weights/<name>``."""
-        return self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsResponse, name=name, kind="weights")
+    def save_state(self, name: str, overwrite: bool = False) -> APIFuture[t.SaveWeightsResponse]:
+        """Save adapter + optimizer state; ``.path`` is ``trio://<run>/weights/<name>``.
+
+        Raises:
+            ValidationError: (status 409) the run already has a checkpoint ``name`` and
+                ``overwrite`` is False; nothing is written.
+        """
+        return self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsResponse, name=name, kind="weights",
+                            overwrite=overwrite)
 
     def load_state(self, path: str) -> APIFuture[t.LoadWeightsResponse]:
         """Load adapter weights from a training-state checkpoint; optimizer state starts fresh."""
@@ -130,10 +185,15 @@ class TrainingClient:
         """Load adapter weights and the optimizer's moments and step."""
         return self._submit("load_weights", t.LoadWeightsRequest, t.LoadWeightsResponse, path=path, with_optimizer=True)
 
-    def save_weights_for_sampler(self, name: str) -> APIFuture[t.SaveWeightsForSamplerResponse]:
-        """Save a PEFT adapter folder; ``.path`` is ``trio://<run>/sampler_weights/<name>``."""
+    def save_weights_for_sampler(self, name: str, overwrite: bool = False) -> APIFuture[t.SaveWeightsForSamplerResponse]:
+        """Save a PEFT adapter folder; ``.path`` is ``trio://<run>/sampler_weights/<name>``.
+
+        A used ``name`` is refused (ValidationError, status 409) unless ``overwrite``.
+        With ``overwrite=True``, samplers already made on that path sample the new
+        weights from their next request.
+        """
         return self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsForSamplerResponse,
-                            name=name, kind="sampler_weights")
+                            name=name, kind="sampler_weights", overwrite=overwrite)
 
     forward_async = async_twin(forward)
     forward_backward_async = async_twin(forward_backward)
@@ -150,9 +210,22 @@ class TrainingClient:
         """A sampler over saved sampler weights (any ``trio://`` path you own)."""
         return await new_sampling_client(self._session, model_path=model_path)
 
-    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
-        """Save sampler weights (named ``name``, or a fresh name) and return a sampler on them."""
-        saved = await self.save_weights_for_sampler(name or f"sampler-{secrets.token_hex(6)}")
+    async def save_weights_and_get_sampling_client_async(
+        self, name: str | None = None, overwrite: bool = False
+    ) -> SamplingClient:
+        """Save the current weights for sampling and return a sampler on them.
+
+        With a ``name``: a checkpoint, as ``save_weights_for_sampler(name, overwrite)``.
+        Without: ephemeral weights, just for this sampler. They are not listed among the
+        checkpoints, and the service removes them when it restarts, or once the run has
+        saved ``ephemeral_samplers_per_run`` (default 8) newer ones; a sampler on removed
+        weights raises NotFoundError.
+        """
+        if name is None:
+            saved = await self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsForSamplerResponse,
+                                       kind="ephemeral")
+        else:
+            saved = await self.save_weights_for_sampler(name, overwrite)
         return await self.create_sampling_client_async(saved.path)
 
     async def get_info_async(self) -> t.GetInfoResponse:

@@ -8,7 +8,10 @@ converts to and from torch only when asked, importing it lazily.
 
 from __future__ import annotations
 
+import base64
+import math
 import re
+from collections.abc import Generator
 from typing import Any, Literal
 
 import numpy as np
@@ -24,12 +27,41 @@ class _Model(BaseModel):
 # --------------------------------------------------------------------------- tensors
 
 
+DType = Literal["int64", "float32"]
+
+# The dtype of each loss input the losses read, whatever its values look like: the user
+# docs write ``weights=[0, 1]`` (ints), and token ids often come out of numpy as floats.
+FIELD_DTYPES: dict[str, DType] = {
+    "target_tokens": "int64", "weights": "float32", "advantages": "float32", "logprobs": "float32",
+}
+
+
 class TensorData(_Model):
-    """A flat list of numbers with a dtype and shape; what ``loss_fn_inputs`` hold."""
+    """A flat list of numbers with a dtype and shape; what ``loss_fn_inputs`` hold.
+
+    ``shape`` (if given) must hold exactly ``len(data)`` elements. Inside a ``Datum`` the
+    dtype follows the field (``FIELD_DTYPES``), not the values.
+    """
 
     data: list[float] | list[int]
-    dtype: Literal["int64", "float32"] = "float32"
+    dtype: DType = "float32"
     shape: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _shape_holds_data(self) -> TensorData:
+        check_shape(self)
+        return self
+
+    def as_dtype(self, dtype: DType) -> TensorData:
+        """This tensor with ``dtype``; int64 refuses a value that is not a whole number."""
+        if dtype == "int64":
+            bad = next(((k, v) for k, v in enumerate(self.data) if not math.isfinite(v) or v != int(v)), None)
+            if bad is not None:
+                raise ValueError(f"{bad[1]!r} is not an integer, at index {bad[0]}")
+            data: list[float] | list[int] = [int(v) for v in self.data]
+        else:
+            data = [float(v) for v in self.data]
+        return TensorData.model_construct(data=data, dtype=dtype, shape=self.shape)
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> TensorData:
@@ -68,6 +100,25 @@ class TensorData(_Model):
 
     def __len__(self) -> int:
         return len(self.data)
+
+
+def check_shape(tensor: TensorData) -> None:
+    if tensor.shape is not None and math.prod(tensor.shape) != len(tensor.data):
+        raise ValueError(f"shape {tensor.shape} holds {math.prod(tensor.shape)} elements, "
+                         f"but data has {len(tensor.data)}")
+
+
+def loss_input(name: str, value: Any) -> TensorData:
+    """``value`` (list, numpy, torch or TensorData) as the tensor the input ``name`` holds.
+
+    Raises ValueError naming the field and the value.
+    """
+    try:
+        tensor = TensorData.coerce(value)
+        check_shape(tensor)  # again: a TensorData may have been built without validation
+        return tensor.as_dtype(FIELD_DTYPES[name]) if name in FIELD_DTYPES else tensor
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"loss_fn_inputs[{name!r}]: {exc}") from None
 
 
 # --------------------------------------------------------------------------- model input
@@ -120,13 +171,7 @@ class Datum(_Model):
     def _coerce_inputs(cls, value: Any) -> dict[str, TensorData]:
         if not isinstance(value, dict):
             raise ValueError(f"loss_fn_inputs must be a dict, got {type(value).__name__}")
-        out = {}
-        for key, item in value.items():
-            try:
-                out[key] = TensorData.coerce(item)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"loss_fn_inputs[{key!r}]: {exc}") from None
-        return out
+        return {key: loss_input(key, item) for key, item in value.items()}
 
 
 # --------------------------------------------------------------------------- parameters
@@ -152,17 +197,52 @@ class AdamParams(_Model):
 
 
 class SamplingParams(_Model):
-    """``stop`` takes strings or token ids; temperature 0 is greedy; top_k -1 is off."""
+    """How to sample.
 
-    max_tokens: int = 16
+    Attributes:
+        max_tokens: the most tokens to generate. Required: the user docs always give it,
+            and a silent default would cut samples short (or run long) unnoticed.
+        temperature: 0 is greedy. top_k: -1 is off. top_p: 1 is off.
+        stop: strings or token ids that end a sequence, in addition to EOS
+            (``None`` and ``[]`` both mean EOS only).
+        ignore_eos: True keeps generating through EOS, to ``max_tokens`` or a ``stop``
+            (fixed-length rollouts, benchmarks).
+        seed: the same seed gives the same samples.
+    """
+
+    max_tokens: int
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
     stop: str | list[str] | list[int] | None = None
+    ignore_eos: bool = False
     seed: int | None = None
 
 
 # --------------------------------------------------------------------------- responses
+
+
+class AwaitableResult:
+    """A result that is its own finished future: ``await r`` and ``r.result()`` give ``r``.
+
+    The sampling twins return results, as Tinker's do (``(await sc.sample_async(...)).sequences``);
+    being awaitable, they also serve code written for a future, as in the user docs
+    (``fut = await sc.sample_async(...); res = await fut``).
+    """
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self
+        yield  # a generator that finishes at once: awaiting costs nothing
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self
+
+    def done(self) -> bool:
+        return True
+
+
+class PromptLogprobs(AwaitableResult, list):  # type: ignore[type-arg]
+    """``compute_logprobs_async``'s result: a list of floats (None for the first token)."""
 
 
 class ForwardBackwardOutput(_Model):
@@ -197,7 +277,7 @@ class SampledSequence(_Model):
     stop_reason: Literal["stop", "length"]
 
 
-class SampleResponse(_Model):
+class SampleResponse(AwaitableResult, _Model):
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
 
@@ -256,8 +336,18 @@ class TrainingRun(_Model):
 
 
 class TokenizerFiles(_Model):
+    """A tokenizer's Hugging Face files. Sent as base64: some (a sentencepiece
+    ``tokenizer.model``) are binary, and JSON carries only text."""
+
     base_model: str
-    files: dict[str, str]  # filename -> text content
+    files: dict[str, str]  # filename -> base64 of its bytes
+
+    @classmethod
+    def of(cls, base_model: str, contents: dict[str, bytes]) -> TokenizerFiles:
+        return cls(base_model=base_model, files={n: base64.b64encode(b).decode() for n, b in contents.items()})
+
+    def contents(self) -> dict[str, bytes]:
+        return {name: base64.b64decode(text) for name, text in self.files.items()}
 
 
 # --------------------------------------------------------------------------- protocol
@@ -283,23 +373,54 @@ class ForwardRequest(_RunRequest):
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float] | None = None
 
+    @field_validator("data")
+    @classmethod
+    def _checked_data(cls, data: list[Datum]) -> list[Datum]:
+        return [checked_datum(i, d) for i, d in enumerate(data)]
+
+
+def checked_datum(i: int, datum: Datum) -> Datum:
+    """``datum`` checked again where its index is known (a Datum's inputs may have been
+    replaced after it was built, unvalidated); every forward needs ``target_tokens``.
+
+    Raises ValueError naming ``data[i]``, the field and the value.
+    """
+    where = f"data[{i}].loss_fn_inputs"
+    if "target_tokens" not in datum.loss_fn_inputs:
+        raise ValueError(f"{where}: 'target_tokens' is missing (got {sorted(datum.loss_fn_inputs)})")
+    try:
+        inputs = {key: loss_input(key, value) for key, value in datum.loss_fn_inputs.items()}
+    except ValueError as exc:
+        raise ValueError(f"data[{i}].{exc}") from None
+    return Datum.model_construct(model_input=datum.model_input, loss_fn_inputs=inputs)
+
 
 class OptimStepRequest(_RunRequest):
     adam_params: AdamParams = Field(default_factory=AdamParams)
 
 
 class SaveWeightsRequest(_RunRequest):
-    name: str
-    kind: Literal["weights", "sampler_weights"]
+    """Save a checkpoint. ``ephemeral`` sampler weights are named by the service, never
+    listed, and removed when the service restarts or the run saves too many more."""
+
+    name: str | None = None
+    kind: Literal["weights", "sampler_weights", "ephemeral"]
+    overwrite: bool = False  # False: a used name is refused (409)
 
     @field_validator("name")
     @classmethod
-    def _valid_name(cls, name: str) -> str:
-        if not CHECKPOINT_NAME.match(name):
+    def _valid_name(cls, name: str | None) -> str | None:
+        if name is not None and not CHECKPOINT_NAME.match(name):
             raise ValueError(
                 f"name {name!r}: use 1-128 letters, digits, '.', '_' or '-'"
             )
         return name
+
+    @model_validator(mode="after")
+    def _named_unless_ephemeral(self) -> SaveWeightsRequest:
+        if (self.name is None) != (self.kind == "ephemeral"):
+            raise ValueError("name: required for a checkpoint, and given by the service for ephemeral weights")
+        return self
 
 
 class LoadWeightsRequest(_RunRequest):
@@ -326,7 +447,7 @@ class SampleRequest(_Model):
     sampler_id: str
     prompt: ModelInput
     num_samples: int = 1
-    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    sampling_params: SamplingParams
     include_prompt_logprobs: bool = False
 
 
@@ -343,6 +464,7 @@ class RetrieveFutureRequest(_Model):
 class ErrorInfo(_Model):
     category: str  # validation | not_found | capacity | server | ...
     message: str
+    status_code: int | None = None  # the HTTP status it has (None: the category's usual one)
 
 
 class FutureResponse(_Model):

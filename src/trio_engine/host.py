@@ -135,14 +135,14 @@ class ModelHost:
         adapter = self._adapter(adapter_id)
         return adapter.config, adapter.optim.step
 
-    def tokenizer_files(self) -> dict[str, str]:
-        """The tokenizer as its Hugging Face files: name -> text."""
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer as its Hugging Face files: name -> bytes (some may be binary)."""
         import tempfile
         from pathlib import Path
 
         with tempfile.TemporaryDirectory() as tmp:
             self.tokenizer.save_pretrained(tmp)
-            return {p.name: p.read_text() for p in Path(tmp).iterdir() if p.is_file()}
+            return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
 
     def _adapter(self, adapter_id: str) -> Adapter:
         try:

@@ -3,6 +3,10 @@
 A checkpoint is named by ``trio://<run-id>/weights/<name>`` (training state: adapter +
 optimizer) or ``trio://<run-id>/sampler_weights/<name>`` (a PEFT adapter folder); on
 disk it lives at ``<data-dir>/checkpoints/<run-id>/<kind>/<name>/``.
+
+``trio://<run-id>/ephemeral/<n>`` are sampler weights saved without a name: the
+service names them (``n`` orders them), never lists them, and removes them at start-up
+and when their run has more than ``Limits.ephemeral_samplers_per_run``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from pathlib import Path
 
 from .errors import ServiceError
 
-PATH = re.compile(r"^trio://(?P<run>run-[0-9a-f]+)/(?P<kind>weights|sampler_weights)/(?P<name>[A-Za-z0-9._-]{1,128})$")
+PATH = re.compile(r"^trio://(?P<run>run-[0-9a-f]+)/(?P<kind>weights|sampler_weights|ephemeral)/(?P<name>[A-Za-z0-9._-]{1,128})$")
 
 
 def make_path(run_id: str, kind: str, name: str) -> str:

@@ -34,7 +34,7 @@ from pytrio.errors import describe_validation_error
 from . import checkpoints as ckpt
 from .engine import Engine, EngineSettings, LocalEngine
 from .errors import RESTART_MESSAGE, ServiceError, not_found
-from .handlers import Context
+from .handlers import Context, remove_checkpoint
 from .scheduler import WorkItem
 from .store import Store, dumps, now
 from .store import checkpoints as checkpoints_table
@@ -60,6 +60,7 @@ class Limits:
     max_samples_per_request: int = 256
     max_sampler_adapters: int = 16  # LRU of loaded sampler weights per host
     seq_gap_seconds: float = 30.0  # how long a run's later requests wait for a missing one
+    ephemeral_samplers_per_run: int = 8  # unnamed sampler weights a run keeps (older ones are removed)
 
 
 @dataclass
@@ -145,6 +146,8 @@ class ServiceCore:
         failed = self.store.fail_pending(RESTART_MESSAGE)
         if failed:
             log.warning("marked %d in-flight requests failed after restart", len(failed))
+        for row in self.store.select(checkpoints_table, kind="ephemeral"):  # they live one service lifetime
+            remove_checkpoint(self.store, self.data_dir, row)
         max_seq = self.store.max_seq_by_run()
         for run in self.store.select(runs_table):
             self.next_seq[run["run_id"]] = max(run["next_seq"], max_seq.get(run["run_id"], -1) + 1)
@@ -335,7 +338,8 @@ class ServiceCore:
     def _worker(self, base_model: str) -> HostWorker:
         with self.lock:
             if base_model not in self.workers:
-                ctx = Context(base_model, self._new_engine(base_model), self.store, self.data_dir)
+                ctx = Context(base_model, self._new_engine(base_model), self.store, self.data_dir,
+                              self.limits.ephemeral_samplers_per_run)
                 order = Sequencing(self.next_seq, self.lock, self.limits.seq_gap_seconds)
                 self.workers[base_model] = HostWorker(ctx, lambda item, r: self.resolve(item, *r), order,
                                                       self.idle_offload_seconds)
@@ -356,7 +360,8 @@ class ServiceCore:
             outcome = Outcome("done", result.model_dump_json())
             self.store.update(requests_table, "request_id", item.request_id, status="done", result=outcome.result_json)
         else:
-            outcome = Outcome("failed", error=t.ErrorInfo(category=error.category, message=error.message))
+            outcome = Outcome("failed", error=t.ErrorInfo(category=error.category, message=error.message,
+                                                          status_code=error.status))
             self.store.update(requests_table, "request_id", item.request_id, status="failed",
                               error_category=error.category, error_message=error.message)
         if item.run_id is not None and item.seq is not None:
@@ -396,16 +401,16 @@ class ServiceCore:
         self._check_model(base_model)
         folder = self.data_dir / "tokenizers" / base_model.replace("/", "--")
         if (folder / "tokenizer_config.json").exists():
-            files = {p.name: p.read_text() for p in folder.iterdir() if p.is_file()}
+            files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
         else:  # ask the engine once; later calls read the cache
             files = self._worker(base_model).engine.tokenizer_files()
             tmp = folder.with_name(folder.name + f".tmp-{secrets.token_hex(4)}")
             tmp.mkdir(parents=True)
-            for name, text in files.items():
-                (tmp / name).write_text(text)
+            for name, content in files.items():
+                (tmp / name).write_bytes(content)
             shutil.rmtree(folder, ignore_errors=True)
             tmp.rename(folder)
-        return t.TokenizerFiles(base_model=base_model, files=files)
+        return t.TokenizerFiles.of(base_model, files)
 
     def list_runs(self, user_id: str) -> list[t.TrainingRun]:
         return [self._training_run(r) for r in self.store.select(runs_table, user_id=user_id, order_by="created_at")]
@@ -427,12 +432,11 @@ class ServiceCore:
         if run_id:
             self._run(user_id, run_id)
         rows = self.store.select(checkpoints_table, order_by="created_at", **where)
-        return [t.Checkpoint(**{k: v for k, v in r.items() if k != "user_id"}) for r in rows]
+        return [t.Checkpoint(**{k: v for k, v in r.items() if k != "user_id"}) for r in rows
+                if r["kind"] != "ephemeral"]  # unnamed sampler weights are not checkpoints to keep
 
     def delete_checkpoint(self, user_id: str, path: str) -> None:
-        row = self._checkpoint(user_id, path)
-        shutil.rmtree(self.checkpoint_dir(row["run_id"], row["kind"], row["name"]), ignore_errors=True)
-        self.store.delete(checkpoints_table, path=path)  # a sampler on it fails at its next use
+        remove_checkpoint(self.store, self.data_dir, self._checkpoint(user_id, path))
 
     def checkpoint_archive(self, user_id: str, path: str) -> Path:
         """A tar archive of the checkpoint folder (built once, then served with ranges)."""

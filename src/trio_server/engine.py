@@ -103,7 +103,7 @@ class Engine(Protocol):
         """Load the model if not yet loaded; return model info. Raises if it cannot load."""
         ...
 
-    def tokenizer_files(self) -> dict[str, str]: ...
+    def tokenizer_files(self) -> dict[str, bytes]: ...
 
     def create_adapter(self, run_id: str, config: LoraConfig) -> None: ...
 
@@ -240,7 +240,7 @@ class LocalEngine:
         info = self.host.info()
         return info | {"pid": os.getpid(), "node": socket.gethostname()} | self.labels
 
-    def tokenizer_files(self) -> dict[str, str]:
+    def tokenizer_files(self) -> dict[str, bytes]:
         return self.host.tokenizer_files()
 
     # -- runs ---------------------------------------------------------------------------

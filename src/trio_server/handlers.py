@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -54,6 +55,7 @@ class Context:
     engine: Engine
     store: Store
     data_dir: Path
+    ephemeral_per_run: int = 8  # unnamed sampler weights a run keeps (Limits.ephemeral_samplers_per_run)
 
     def checkpoint_folder(self, path: str) -> str:
         return str(ckpt.folder(self.data_dir, *ckpt.parse_path(path)))
@@ -139,6 +141,7 @@ def _sample(ctx: Context, batch: list[WorkItem]) -> list[Result]:
         stops = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
         config = SamplingConfig(
             max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+            ignore_eos=p.ignore_eos,
             stop_strings=tuple(s for s in stops if isinstance(s, str)),
             stop_token_ids=tuple(s for s in stops if isinstance(s, int)),
         )
@@ -199,17 +202,39 @@ def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
 
 
 def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:
+    """Save a checkpoint; a used name is refused, before anything is written, unless
+    ``overwrite``. Ephemeral weights are named by their request's seq (so they sort)."""
     req: t.SaveWeightsRequest = item.request
-    path = ckpt.make_path(req.model_id, req.kind, req.name)
+    name = req.name or f"{item.seq:010d}"
+    path = ckpt.make_path(req.model_id, req.kind, name)
+    if not req.overwrite and ctx.store.get(checkpoints_table, path=path) is not None:
+        raise ServiceError("validation", f"name: checkpoint {path!r} already exists; pass overwrite=True to "
+                           "replace it, or use another name", 409)
     folder = ctx.checkpoint_folder(path)
     if req.kind == "weights":
         ctx.engine.save_state(req.model_id, folder)
-    else:
+    else:  # the engine frees a sampler copy it had loaded from this folder
         ctx.engine.save_sampler_weights(req.model_id, folder)
-    ctx.store.delete(checkpoints_table, path=path)  # saving under a used name replaces it
+    ctx.store.delete(checkpoints_table, path=path)
     ctx.store.insert(checkpoints_table, path=path, user_id=item.user_id, run_id=req.model_id, kind=req.kind,
-                     name=req.name, created_at=now(), size_bytes=ckpt.folder_size(Path(folder)))
+                     name=name, created_at=now(), size_bytes=ckpt.folder_size(Path(folder)))
+    if req.kind == "ephemeral":
+        _expire_ephemeral(ctx, req.model_id)
     return t.SaveWeightsResponse(path=path)
+
+
+def _expire_ephemeral(ctx: Context, run_id: str) -> None:
+    """Keep a run's newest ``ephemeral_per_run`` unnamed sampler weights; a sampler on an
+    older one fails with not_found (its folder is gone)."""
+    rows = sorted(ctx.store.select(checkpoints_table, run_id=run_id, kind="ephemeral"), key=lambda r: r["name"])
+    for row in rows[:-ctx.ephemeral_per_run]:
+        remove_checkpoint(ctx.store, ctx.data_dir, row)
+
+
+def remove_checkpoint(store: Store, data_dir: Path, row: dict) -> None:
+    """Its record, then its folder: a sampler on it fails at its next use."""
+    store.delete(checkpoints_table, path=row["path"])
+    shutil.rmtree(ckpt.folder(data_dir, row["run_id"], row["kind"], row["name"]), ignore_errors=True)
 
 
 def _load_weights(ctx: Context, item: WorkItem) -> t.LoadWeightsResponse:

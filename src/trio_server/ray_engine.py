@@ -132,7 +132,7 @@ class RayEngine:
     def load(self) -> dict[str, Any]:
         return self._call("load")
 
-    def tokenizer_files(self) -> dict[str, str]:
+    def tokenizer_files(self) -> dict[str, bytes]:
         return self._call("tokenizer_files")
 
     def create_adapter(self, run_id: str, config: LoraConfig) -> None:

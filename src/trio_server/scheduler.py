@@ -39,6 +39,12 @@ def stalled_runs(pending: list[WorkItem], next_seq: dict[str, int], waited: dict
     A client whose submit failed for good (the service was down) has used a sequence
     number the service never saw; its later requests must not wait forever for it.
     ``waited`` maps request id -> when it was queued.
+
+    This is the only gap pytrio leaves: it sends a run's calls in order, numbering each
+    as it is sent, and holds later calls in the client while a call has a number
+    reserved (``forward_backward_custom``'s backward), so a reserved number is never
+    missing here (see ``pytrio/ordering.py``). A number whose submit was given up on
+    cannot arrive afterwards, so skipping it after ``gap_seconds`` cannot reorder a run.
     """
     lowest: dict[str, WorkItem] = {}
     for item in pending:

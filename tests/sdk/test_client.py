@@ -250,3 +250,71 @@ def test_rest_client(service, tmp_path):
 def test_capabilities(service):
     caps = service.get_server_capabilities()
     assert MODEL in caps.supported_models and caps.max_seq_len > 0 and caps.max_batch_size > 0
+
+
+def test_errors_carry_their_status_code_on_both_transports(service):
+    tc = trainer(service)
+    with pytest.raises(trio.NotFoundError) as err:
+        service.create_training_client_from_state(f"trio://{tc.model_id}/weights/never-saved")
+    assert err.value.status_code == 404
+    with pytest.raises(trio.ValidationError) as err:  # refused by the engine: a failed future
+        tc.forward([datum([1, 2, 10**7])]).result()
+    assert err.value.status_code == 400
+
+
+def test_sample_needs_sampling_params(service):
+    sampler = service.create_sampling_client(base_model=MODEL)
+    with pytest.raises(trio.ValidationError, match="max_tokens"):
+        sampler.sample(trio.ModelInput.from_ints(TOKENS[:3]), 1)
+
+
+def test_ignore_eos_reaches_the_engine(local_core):
+    """``stop`` adds stop sequences to EOS; only ``ignore_eos=True`` turns EOS off."""
+    from pytrio.transport.local import LocalTransport
+
+    sampler = trio.ServiceClient(transport=LocalTransport(local_core)).create_sampling_client(base_model=MODEL)
+    engine = local_core.workers[MODEL].engine
+    seen, real = [], engine.sample
+
+    def spy(jobs):
+        seen.extend(job.request.config for job in jobs)
+        return real(jobs)
+
+    engine.sample = spy
+    try:
+        prompt = trio.ModelInput.from_ints(TOKENS[:3])
+        for params in (trio.SamplingParams(max_tokens=2, stop=[]),
+                       trio.SamplingParams(max_tokens=2, stop=["\n"], ignore_eos=True)):
+            sampler.sample(prompt, 1, params).result()
+    finally:
+        del engine.sample
+    assert [(c.ignore_eos, c.stop_strings) for c in seen] == [(False, ()), (True, ("\n",))]
+
+
+@pytest.mark.parametrize("save", ["save_state", "save_weights_for_sampler"])
+def test_a_used_checkpoint_name_is_refused_unless_overwrite(service, save):
+    tc = trainer(service, seed=21)
+    rest = service.create_rest_client()
+    path = getattr(tc, save)("taken").result().path
+    before = rest.list_checkpoints(tc.model_id)
+    tc.forward_backward([datum()])
+    tc.optim_step(trio.AdamParams(learning_rate=1e-2))
+    with pytest.raises(trio.ValidationError, match=r"already exists.*overwrite=True") as err:
+        getattr(tc, save)("taken").result()
+    assert path in err.value.message and err.value.status_code == 409
+    assert rest.list_checkpoints(tc.model_id) == before  # the old checkpoint is untouched
+    assert getattr(tc, save)("taken", overwrite=True).result().path == path
+    assert [c.path for c in rest.list_checkpoints(tc.model_id)] == [path]
+    assert tc.get_info().step == 1  # the refusal took its turn; the run went on
+
+
+def test_a_sampler_saved_without_a_name_is_ephemeral(service):
+    tc = trainer(service, seed=22)
+    rest = service.create_rest_client()
+    sampler = tc.save_weights_and_get_sampling_client()
+    named = tc.save_weights_and_get_sampling_client(name="kept")
+    listed = [c.path for c in rest.list_checkpoints(tc.model_id)]
+    assert listed == [named.model_path] and sampler.model_path not in listed
+    assert sampler.model_path not in [c.path for c in rest.list_user_checkpoints()]
+    prompt, params = trio.ModelInput.from_ints(TOKENS[:3]), trio.SamplingParams(max_tokens=2, temperature=0.0)
+    assert sampler.sample(prompt, 1, params).result().sequences == named.sample(prompt, 1, params).result().sequences

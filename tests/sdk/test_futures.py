@@ -30,6 +30,7 @@ RESULTS: dict[str, dict[str, Any]] = {
     "create_model": {"model_id": "run-1", "base_model": MODEL},
     "optim_step": {"metrics": {"step": 1.0}},
     "sample": {"sequences": [{"tokens": [5], "logprobs": [-0.5], "text": "x", "stop_reason": "length"}]},
+    "compute_logprobs": {"logprobs": [None, -0.25]},
 }
 
 
@@ -113,7 +114,7 @@ def test_await_a_future_from_the_users_own_event_loop():
     async def main() -> trio.OptimStepResponse:
         assert asyncio.get_running_loop() is not background_loop().loop
         fut = tc.optim_step()
-        failing = sampler.sample(trio.ModelInput.from_ints([1, 2]))
+        failing = sampler.sample(trio.ModelInput.from_ints([1, 2]), 1, trio.SamplingParams(max_tokens=2))
         await asyncio.sleep(0.02)
         assert not fut.done()
         transport.release()
@@ -152,8 +153,8 @@ def test_async_twins_return_awaitables():
         assert (await asyncio.wait_for(fut, WAIT)).metrics == {"step": 1.0}  # ... awaiting that, the result
 
         sampler = SamplingClient(Session(transport), "s-1", MODEL)
-        sample_future = await sampler.sample_async(trio.ModelInput.from_ints([1, 2]), num_samples=1)
-        assert isinstance(sample_future, trio.APIFuture)
+        sample_future = await sampler.sample_async(trio.ModelInput.from_ints([1, 2]), num_samples=1,
+                                                   sampling_params=trio.SamplingParams(max_tokens=2))
         assert (await asyncio.wait_for(sample_future, WAIT)).sequences[0].tokens == [5]
 
     asyncio.run(main())
@@ -172,3 +173,25 @@ def test_every_async_twin_is_a_coroutine_function_next_to_its_sync_method(cls):
         assert inspect.iscoroutinefunction(async_fn), f"{cls.__name__}.{name} is not async"
         assert sync_fn is not None and not inspect.iscoroutinefunction(sync_fn), f"{cls.__name__}.{sync_name}"
         assert async_fn.__name__ == name and sync_fn.__name__ == sync_name
+
+
+def test_sampling_twins_give_a_result_with_one_await_or_two():
+    """The user docs await twice (``fut = await sc.sample_async(...); res = await fut``);
+    Tinker code awaits once (``(await sc.sample_async(...)).sequences``). Both work: the
+    sampling twins return the result, and the result awaits to itself."""
+    transport = GatedTransport()
+    transport.release()
+    sampler = SamplingClient(Session(transport), "s-1", MODEL)
+    prompt, params = trio.ModelInput.from_ints([1, 2]), trio.SamplingParams(max_tokens=2)
+
+    async def main() -> None:
+        assert (await sampler.sample_async(prompt, 1, params)).sequences[0].tokens == [5]
+        fut = await sampler.sample_async(prompt=prompt, sampling_params=params, num_samples=1)
+        res = await fut
+        assert res.sequences[0].text == "x" and fut.done() and fut.result(timeout=WAIT) is res
+        assert (await sampler.compute_logprobs_async(prompt))[1] == -0.25
+        assert await (await sampler.compute_logprobs_async(prompt)) == [None, -0.25]
+        with pytest.raises(trio.ValidationError, match="max_tokens"):
+            await sampler.sample_async(prompt, 1)
+
+    asyncio.run(main())

@@ -332,3 +332,17 @@ def test_an_http_error_while_retrieving_carries_the_request_id(mock_http):
     finally:
         run_sync(tc._session.transport.close())
     assert err.value.request_id == "req-7"
+
+
+def test_retry_after_is_kept_on_the_error(mock_http):
+    mock_http(lambda request: httpx.Response(429, text="Too Many Requests", headers={"retry-after": "3"}))
+    with pytest.raises(trio.CapacityError) as err:
+        run(submit)
+    assert err.value.status_code == 429 and err.value.retry_after == 3.0
+
+
+def test_a_retry_after_date_or_garbage_is_ignored(mock_http):
+    mock_http(lambda request: httpx.Response(503, text="down", headers={"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}))
+    with pytest.raises(trio.ServerError) as err:
+        run(submit)
+    assert err.value.retry_after is None

@@ -250,3 +250,45 @@ def test_any_error_while_retrieving_carries_the_request_id(clock):
     with pytest.raises(trio.ServerError) as err:
         optim_step(transport)
     assert err.value.request_id == "req-0"
+
+
+# -- overload and server errors at submit: retried with back-off, Retry-After honoured ----
+
+
+class Refusing(FlakyTransport):
+    """Submits answered with ``errors`` (one per attempt) before one is accepted."""
+
+    def __init__(self, errors: list[trio.TrioError]):
+        super().__init__()
+        self.errors = errors
+
+    async def submit(self, op: str, body: dict[str, Any], idempotency_key: str) -> str:
+        if self.errors:
+            self.attempts.append((op, body, idempotency_key))
+            raise self.errors.pop(0)
+        return await super().submit(op, body, idempotency_key)
+
+
+def test_a_submit_refused_with_429_or_5xx_is_retried_with_the_same_key(clock):
+    busy = trio.CapacityError("too many requests in flight", status_code=429)
+    transport = Refusing([busy, trio.ServerError("Bad Gateway", status_code=502),
+                          trio.ServerError("Service Unavailable", status_code=503)])
+    assert optim_step(transport).metrics == {"step": 1.0}
+    assert len(transport.attempts) == 4 and len(set(keys(transport))) == 1
+    assert transport.executed == ["req-0"] and len(clock.sleeps) == 3
+
+
+def test_a_submit_waits_as_long_as_retry_after_says(clock):
+    busy = trio.CapacityError("slow down", status_code=429)
+    busy.retry_after = 7.0
+    transport = Refusing([busy])
+    optim_step(transport)
+    assert clock.sleeps == [7.0]
+
+
+def test_a_submit_refused_for_good_gives_up_after_the_window(clock, monkeypatch):
+    monkeypatch.setattr(session_mod, "RECONNECT_SECONDS", 5.0)
+    transport = Refusing([trio.ServerError("Service Unavailable", status_code=503) for _ in range(100)])
+    with pytest.raises(trio.ServerError, match="Unavailable") as err:
+        optim_step(transport)
+    assert err.value.status_code == 503 and 2 < len(transport.attempts) < 100

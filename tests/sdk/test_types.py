@@ -48,3 +48,44 @@ def test_error_tree():
                 trio.ServerError, trio.ConnectionError, trio.TimeoutError):
         assert issubclass(cls, trio.TrioError)
     assert issubclass(trio.ValidationError, ValueError)
+
+
+# -- loss_fn_inputs: the dtype follows the field, the shape the data --------------------
+
+
+def inputs(**values) -> dict:
+    return trio.Datum(model_input=trio.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs=values).loss_fn_inputs
+
+
+def test_dtype_follows_the_field_not_the_values():
+    """The user docs write ``weights=[0, 1]``; token ids often come out of numpy as floats."""
+    got = inputs(weights=[0, 1, 1], target_tokens=np.array([2.0, 3.0, 4.0]), advantages=[1, -1, 0],
+                 logprobs=torch.tensor([-1, -2, -3]))
+    assert {k: v.dtype for k, v in got.items()} == {
+        "weights": "float32", "target_tokens": "int64", "advantages": "float32", "logprobs": "float32"}
+    assert got["target_tokens"].tolist() == [2, 3, 4] and all(type(x) is int for x in got["target_tokens"].data)
+    assert got["weights"].to_numpy().dtype == np.float32 and got["weights"].tolist() == [0.0, 1.0, 1.0]
+    explicit = trio.TensorData(data=[1, 1, 1], dtype="int64")
+    assert inputs(weights=explicit)["weights"].dtype == "float32"
+
+
+def test_a_token_id_that_is_not_an_integer_names_field_and_value():
+    with pytest.raises(ValueError, match=r"target_tokens.*2\.5"):
+        inputs(target_tokens=[1.0, 2.5, 3.0])
+
+
+def test_the_shape_must_hold_the_data():
+    with pytest.raises(ValueError, match=r"shape \[2, 2\].*4.*3"):
+        trio.TensorData(data=[1.0, 2.0, 3.0], shape=[2, 2])
+    with pytest.raises(ValueError, match=r"weights.*shape"):
+        inputs(weights=trio.TensorData.model_construct(data=[1.0, 2.0, 3.0], dtype="float32", shape=[5]))
+    assert trio.TensorData(data=[1.0, 2.0, 3.0, 4.0], shape=[2, 2]).to_numpy().shape == (2, 2)
+
+
+def test_max_tokens_has_no_silent_default():
+    """The user docs always say how long a sample may be; a forgotten max_tokens used to
+    give 16 tokens without a word."""
+    with pytest.raises(ValueError, match="max_tokens"):
+        trio.SamplingParams(temperature=0.7)
+    params = trio.SamplingParams(max_tokens=20)
+    assert params.stop is None and params.ignore_eos is False

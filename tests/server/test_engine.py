@@ -114,3 +114,22 @@ def test_a_batch_keeps_all_its_sampler_weights_loaded_and_deleted_weights_fail(e
     shutil.rmtree(folders[2])
     gone = engine.sample([SampleJob(folders[2], SampleRequest(None, [1, 5, 9], 1, config))])[0]
     assert isinstance(gone, Failure) and gone.category == "not_found" and "weights-2" in gone.message
+
+
+def test_saving_sampler_weights_again_frees_the_old_adapter(engine, tmp_path):
+    """Each save over a folder a sampler had loaded must free the host's copy, not only
+    forget it: memory would grow with every save."""
+    from trio_engine import lora
+
+    def loaded() -> tuple[int, int]:  # adapters the host knows, LoRA weight pairs in its layers
+        return len(engine.host.adapters), sum(len(m.lora_A) for _, m in lora.lora_modules(engine.host.model))
+
+    engine.create_adapter("run-r", LoraConfig(rank=2))
+    folder = str(tmp_path / "latest")
+    counts = []
+    for _ in range(3):
+        engine.save_sampler_weights("run-r", folder)
+        engine.prepare_sampler(folder)
+        counts.append(loaded())
+    assert counts[0] == counts[1] == counts[2]
+    assert counts[0][0] == 2  # the run and one sampler copy

@@ -73,7 +73,7 @@ def test_users_are_isolated(server):
         bob_rest.download_checkpoint_archive(state, progress=False)
     bob_sampler = trio.SamplingClient(bob._session, sampler.sampler_id, MODEL)  # a stolen id
     with pytest.raises(trio.NotFoundError):
-        bob_sampler.sample(trio.ModelInput.from_ints([1, 2]), 1).result()
+        bob_sampler.sample(trio.ModelInput.from_ints([1, 2]), 1, trio.SamplingParams(max_tokens=2)).result()
     bob_trainer = trio.TrainingClient(bob._session, tc.model_id, MODEL)
     with pytest.raises(trio.NotFoundError):
         bob_trainer.forward([datum()]).result()
@@ -114,7 +114,7 @@ def test_idempotent_submit_runs_once(server):
     ids = {httpx.post(server.url + "/api/v1/optim_step", json=body,
                       headers={"Authorization": key, "Idempotency-Key": "k-1"}).json()["request_id"] for _ in range(3)}
     assert len(ids) == 1
-    tc._seq = iter(range(2, 100))  # the raw submits above used seq 1
+    tc._order._next_number = 2  # the raw submits above used seq 1
     tc.forward_backward([datum()])
     assert tc.optim_step().result().metrics["step"] == 2.0  # the keyed step ran once, not three times
 

@@ -300,7 +300,7 @@ def test_download_cut_after_the_last_byte_completes_on_the_next_call(archive_ser
 
 
 def test_resume_after_the_checkpoint_was_replaced_gives_the_new_archive(archive_server, tmp_path):
-    """Saving under a used name replaces a checkpoint; a resumed download must not splice the old
+    """Saving under a used name with overwrite=True replaces a checkpoint; a resumed download must not splice the old
     archive's first bytes onto the new one's rest."""
     srv = archive_server
     svc = trio.ServiceClient(base_url=srv.url, api_key=srv.key)
@@ -320,7 +320,7 @@ def test_resume_after_the_checkpoint_was_replaced_gives_the_new_archive(archive_
 
     tc.forward_backward([datum()])
     tc.optim_step(trio.AdamParams(learning_rate=0.05))
-    assert tc.save_state("replaced").result().path == path  # same name: the checkpoint is replaced
+    assert tc.save_state("replaced", overwrite=True).result().path == path  # the checkpoint is replaced
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     new_bytes = rest.download_checkpoint_archive(path, dest=fresh, progress=False).read_bytes()

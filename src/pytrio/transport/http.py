@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 
 from ..errors import ConnectionError as TrioConnectionError
 from ..errors import TimeoutError as TrioTimeoutError
-from ..errors import error_from_category, error_from_status
+from ..errors import TrioError, error_from_category, error_from_status
 from ..types import Checkpoint, FutureResponse, ServerCapabilities, TokenizerFiles, TrainingRun
 
 API = "/api/v1"
@@ -128,9 +128,19 @@ _RUNS = TypeAdapter(list[TrainingRun])
 _CHECKPOINTS = TypeAdapter(list[Checkpoint])
 
 
-def _error(response: httpx.Response) -> Exception:
+def _error(response: httpx.Response) -> TrioError:
     try:
         info = response.json()["error"]
-        return error_from_category(info["category"], info["message"], status=response.status_code)
+        error = error_from_category(info["category"], info["message"], status=response.status_code)
     except Exception:
-        return error_from_status(response.status_code, response.text[:500] or response.reason_phrase)
+        error = error_from_status(response.status_code, response.text[:500] or response.reason_phrase)
+    error.retry_after = _retry_after(response.headers.get("retry-after"))
+    return error
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds; the HTTP-date form is ignored (clocks differ), as is garbage."""
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return None

@@ -93,4 +93,4 @@ def _mapped_errors() -> Iterator[None]:
     try:
         yield
     except ServiceError as exc:
-        raise error_from_category(exc.category, exc.message) from None
+        raise error_from_category(exc.category, exc.message, status=exc.status) from None

@@ -1,0 +1,206 @@
+"""A training client's calls reach the service in call order, numbered without gaps,
+whatever the timing: a slow forward or loss in forward_backward_custom, a submit that
+is retried, a loss function that raises. Nothing here waits on a timeout.
+
+The fake service records every submit as (op, seq) and answers each request when the
+test lets it (``hold``), so each test stages the exact interleaving it means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import pytrio as trio
+from pytrio import session as session_mod
+from pytrio import types as t
+from pytrio.futures import background_loop
+from pytrio.session import Session
+
+from ..polling import wait_until
+from .fakes import OperationsOnly
+
+MODEL = "trio/tiny-llama"
+WAIT = 10.0  # a bound for broken tests, never reached by passing ones
+
+
+def result_for(op: str, body: dict[str, Any]) -> dict[str, Any]:
+    if op in ("forward", "forward_backward"):
+        outputs = [{"logprobs": {"data": [-1.0] * len(d["loss_fn_inputs"]["target_tokens"]["data"])},
+                    "elementwise_loss": {"data": [0.0] * len(d["loss_fn_inputs"]["target_tokens"]["data"])}}
+                   for d in body["data"]]
+        return {"loss_fn_outputs": outputs, "metrics": {"loss:sum": 0.0}}
+    if op == "compute_logprobs":
+        return {"logprobs": [None, -0.5]}
+    return {"metrics": {"step": 1.0}}
+
+
+class FakeService(OperationsOnly):
+    """Submits are recorded in arrival order; ops in ``hold`` answer only when released."""
+
+    def __init__(self, hold: set[str] = frozenset(), refuse: dict[str, threading.Event] | None = None):
+        self.submits: list[tuple[str, int | None]] = []
+        self.bodies: list[dict[str, Any]] = []
+        self.hold, self.refuse = set(hold), refuse or {}
+        self.refused: list[str] = []
+        self.outcomes: dict[str, concurrent.futures.Future[dict[str, Any]]] = {}
+
+    async def submit(self, op: str, body: dict[str, Any], idempotency_key: str) -> str:
+        gate = self.refuse.get(op)
+        if gate is not None and not gate.is_set():  # connection refused until the test opens it
+            self.refused.append(op)
+            raise trio.ConnectionError(f"POST /{op}: connection refused")
+        request_id = f"req-{len(self.submits)}"
+        self.submits.append((op, body.get("seq")))
+        self.bodies.append(body)
+        self.outcomes[request_id] = outcome = concurrent.futures.Future()
+        if op not in self.hold:
+            outcome.set_result(result_for(op, body))
+        return request_id
+
+    def release(self, op: str) -> None:
+        for (sent_op, _), outcome, body in zip(list(self.submits), list(self.outcomes.values()), list(self.bodies)):
+            if sent_op == op and not outcome.done():
+                outcome.set_result(result_for(op, body))
+
+    async def retrieve(self, request_id: str, timeout: float) -> t.FutureResponse:
+        result = await asyncio.wrap_future(self.outcomes[request_id])
+        return t.FutureResponse(request_id=request_id, status="done", result=result)
+
+
+@pytest.fixture
+def no_backoff(monkeypatch) -> None:
+    async def no_sleep(seconds: float) -> None:
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(session_mod, "asyncio", SimpleNamespace(sleep=no_sleep, to_thread=asyncio.to_thread))
+
+
+def datum(n: int = 3) -> trio.Datum:
+    tokens = list(range(1, n + 2))
+    return trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]),
+                      loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * n})
+
+
+def total_logprob(data, logprobs):
+    return -sum(lp.sum() for lp in logprobs), {"custom": 1.0}
+
+
+def waiting_or_sent(tc: trio.TrainingClient, service: FakeService, op: str) -> bool:
+    """``op`` was sent, or it is queued behind an earlier call (the client's submit order)."""
+    order = getattr(tc, "_order", None)
+    return any(o == op for o, _ in service.submits) or (order is not None and order.waiting > 0)
+
+
+def test_a_slow_forward_does_not_let_the_next_call_overtake_the_backward():
+    service = FakeService(hold={"forward"})
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+    custom = tc.forward_backward_custom([datum()], total_logprob)
+    wait_until(lambda: service.submits == [("forward", 0)], "the forward to be sent")
+    step = tc.optim_step()
+    wait_until(lambda: waiting_or_sent(tc, service, "optim_step"), "the optim_step to be sent or queued")
+    service.release("forward")
+    assert custom.result(WAIT).metrics["custom"] == 1.0 and step.result(WAIT).metrics["step"] == 1.0
+    assert service.submits == [("forward", 0), ("forward_backward", 1), ("optim_step", 2)]
+
+
+def test_a_slow_loss_holds_later_calls_until_its_backward_is_sent():
+    started, go = threading.Event(), threading.Event()
+
+    def slow(data, logprobs):
+        started.set()
+        go.wait(WAIT)
+        return total_logprob(data, logprobs)
+
+    service = FakeService()
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+    custom = tc.forward_backward_custom([datum()], slow)
+    assert started.wait(WAIT)
+    step = tc.optim_step()
+    wait_until(lambda: waiting_or_sent(tc, service, "optim_step"), "the optim_step to be sent or queued")
+    assert service.submits == [("forward", 0)]
+    go.set()
+    custom.result(WAIT), step.result(WAIT)
+    assert service.submits == [("forward", 0), ("forward_backward", 1), ("optim_step", 2)]
+
+
+def test_a_loss_that_raises_frees_its_place_at_once():
+    def broken(data, logprobs):
+        raise ZeroDivisionError("the user's bug")
+
+    service = FakeService()
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+    custom = tc.forward_backward_custom([datum()], broken)
+    step = tc.optim_step()
+    with pytest.raises(ZeroDivisionError):
+        custom.result(WAIT)
+    assert step.result(WAIT).metrics["step"] == 1.0
+    # the backward never went, and its number was not spent: the service sees no gap
+    assert service.submits == [("forward", 0), ("optim_step", 1)]
+
+
+def test_a_retried_submit_is_not_overtaken(no_backoff):
+    gate = threading.Event()
+    service = FakeService(refuse={"forward_backward": gate})
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+    fb = tc.forward_backward([datum()])
+    wait_until(lambda: service.refused, "the forward_backward to be refused once")
+    step = tc.optim_step()
+    wait_until(lambda: waiting_or_sent(tc, service, "optim_step"), "the optim_step to be sent or queued")
+    gate.set()
+    fb.result(WAIT), step.result(WAIT)
+    assert service.submits == [("forward_backward", 0), ("optim_step", 1)]
+
+
+def test_the_loss_runs_off_the_sdk_loop_and_may_call_the_sdk():
+    """On the loop it stalled every client's I/O, and a sync SDK call inside deadlocked."""
+    service = FakeService()
+    session = Session(service)
+    tc = trio.TrainingClient(session, "run-1", MODEL)
+    sampler = trio.SamplingClient(session, "sampler-1", MODEL)
+    seen = {}
+
+    def loss(data, logprobs):
+        seen["thread"] = threading.current_thread()
+        seen["logprobs"] = sampler.compute_logprobs(trio.ModelInput.from_ints([1, 2])).result(WAIT)
+        return total_logprob(data, logprobs)
+
+    tc.forward_backward_custom([datum()], loss).result(WAIT)
+    assert seen["thread"] is not background_loop().thread and seen["logprobs"] == [None, -0.5]
+
+
+def test_the_loss_may_not_wait_for_its_own_client():
+    """An ordered call of the same client queues behind this very backward: refused, not hung."""
+    service = FakeService()
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+
+    def loss(data, logprobs):
+        tc.forward([datum()]).result(WAIT)
+        return total_logprob(data, logprobs)
+
+    with pytest.raises(trio.ValidationError, match="loss_fn.*same TrainingClient"):
+        tc.forward_backward_custom([datum()], loss).result(WAIT)
+    tc.optim_step().result(WAIT)
+    assert service.submits == [("forward", 0), ("optim_step", 1)]
+
+
+def test_forward_backward_takes_a_function_as_loss_fn():
+    service = FakeService()
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+    out = tc.forward_backward([datum()], total_logprob).result(WAIT)
+    assert out.metrics["custom"] == 1.0
+    assert tc.forward_backward([datum()], loss_fn=total_logprob).result(WAIT).metrics["custom"] == 1.0
+
+    async def twin():
+        return await (await tc.forward_backward_async([datum()], total_logprob))
+
+    assert asyncio.run(twin()).metrics["custom"] == 1.0
+    assert [op for op, _ in service.submits] == ["forward", "forward_backward"] * 3
+    backward = service.bodies[1]
+    assert backward["loss_fn"] == "cross_entropy"
+    assert backward["data"][0]["loss_fn_inputs"]["weights"]["data"] == [1.0, 1.0, 1.0]  # -d(-sum lp)/d lp
