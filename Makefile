@@ -40,7 +40,7 @@ bench: $(STAMP)
 # One thread per test process: forked torch workers with a thread pool would hang.
 mutate: $(STAMP)
 	$(PIP) -q mutmut==3.8.1
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python tests/mutation/mutate.py
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TRIO_MUTATION_WARMUP=1 $(BIN)/python tests/mutation/mutate.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info mutants

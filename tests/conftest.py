@@ -13,6 +13,17 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+if os.environ.get("TRIO_MUTATION_WARMUP"):
+    # `make mutate` forks one pytest session per mutant from a warmed-up process: load the
+    # tiny models' tokenizers (files only, no code under test) once, before the forks.
+    import functools
+
+    from trio_engine import catalog
+
+    catalog._tiny_tokenizer = functools.cache(catalog._tiny_tokenizer)
+    for which in ("smollm2", "qwen"):
+        catalog._tiny_tokenizer(which)
+
 _ids = itertools.count()
 
 
