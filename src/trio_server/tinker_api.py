@@ -42,10 +42,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+from pytrio import types as t
+
 from . import tinker_public_pb2 as _pb
 from .auth import ANONYMOUS
-from .core import ServiceCore
-from .errors import ServiceError, not_found
+from .core import Outcome, ServiceCore
+from .errors import RESTART_MESSAGE, ServiceError, not_found
 from .store import now
 from .store import requests as requests_table
 from .store import runs as runs_table
@@ -57,6 +59,7 @@ pb: Any = _pb  # generated code: its message classes are made at import time
 POLL_SECONDS = 25.0  # under the SDK's 45 s per-poll timeout
 KEY_PREFIX = "tml-"
 PROTO = "application/x-protobuf"
+LOCAL_PREFIX = "tinker-"  # request ids of futures this module holds, not the core
 SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 CATEGORY = {"validation": "user", "not_found": "user", "capacity": "user", "authentication": "user",
             "server": "server"}
@@ -119,7 +122,7 @@ def seq_of(seq_id: Any) -> int:
 
 # -- protobuf <-> the core's wire types ------------------------------------------------------
 
-_NP = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: np.dtype("<i4")}
+_NP: dict[int, Any] = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: np.dtype("<i4")}
 
 
 def _tensor(name: str, i: int, msg: Any) -> dict:
@@ -193,6 +196,10 @@ def encode_sample_output(result: dict) -> bytes:
     return out.SerializeToString()
 
 
+def _error(outcome: Outcome) -> t.ErrorInfo:
+    return outcome.error or t.ErrorInfo(category="server", message="failed without an error message")
+
+
 # -- replies ---------------------------------------------------------------------------------
 
 
@@ -249,6 +256,8 @@ class TinkerDoor:
     # -- the id map ----------------------------------------------------------------------
 
     def remember(self, tinker_id: str, user_id: str, request_id: str, user_metadata: Any = None) -> None:
+        if request_id.startswith(LOCAL_PREFIX):  # refused: nothing was created
+            return
         row = self.store.get(ids_table, tinker_id=tinker_id)
         if row is not None:
             if row["user_id"] != user_id:
@@ -284,14 +293,15 @@ class TinkerDoor:
 
     # -- futures -------------------------------------------------------------------------
 
-    async def wait(self, user_id: str, request_id: str) -> Any:
+    async def wait(self, user_id: str, request_id: str) -> Outcome:
         """The core outcome of a request, however long it takes; raises if it failed."""
         while True:
             outcome = await self.core.retrieve(user_id, request_id, POLL_SECONDS)
             if outcome.status == "done":
                 return outcome
             if outcome.status == "failed":
-                raise ServiceError(outcome.error.category, outcome.error.message)
+                error = _error(outcome)
+                raise ServiceError(error.category, error.message)
 
     def submit(self, user_id: str, op: str, body: dict, key: str | None) -> str:
         """A core request id, or a local future that fails with the core's refusal."""
@@ -312,7 +322,7 @@ class TinkerDoor:
         if key and (user_id, key) in self.local_by_key:
             return self.local_by_key[(user_id, key)]
         self._forget_old()
-        request_id = "tinker-" + secrets.token_hex(8)
+        request_id = LOCAL_PREFIX + secrets.token_hex(8)
         task = asyncio.ensure_future(work)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved later or never
         self.local[request_id] = LocalFuture(user_id, task)
@@ -342,11 +352,15 @@ class TinkerDoor:
                 log.exception("tinker future %s failed", request_id)
                 reply = Reply.failed("server", f"internal error: {exc}")
             return Response(reply.body, media_type=reply.media_type)
+        if request_id.startswith(LOCAL_PREFIX) and local is None:  # held by a process that has ended
+            reply = Reply.failed("server", RESTART_MESSAGE)
+            return Response(reply.body, media_type=reply.media_type)
         outcome = await self.core.retrieve(user_id, request_id, POLL_SECONDS)
         if outcome.status == "pending":
             return self.try_again(request_id)
         if outcome.status == "failed":
-            reply = Reply.failed(outcome.error.category, outcome.error.message)
+            error = _error(outcome)
+            reply = Reply.failed(error.category, error.message)
         else:
             reply = self.translate(request_id, json.loads(outcome.result_json or "null"))
         return Response(reply.body, media_type=reply.media_type)
@@ -563,10 +577,10 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
             return {"request_id": rid, "model_id": model_id}
 
         async def then_sample() -> Reply:  # save, then open the sampling session on it
-            saved = json.loads((await door.wait(user_id, rid)).result_json)
+            saved = json.loads((await door.wait(user_id, rid)).result_json or "{}")
             sampling_session_id = f"{session_of(model_id)}:sample:{session_seq}"
             await door.open_sampler(user_id, sampling_session_id, {"model_path": saved["path"]})
-            reply = {"sampling_session_id": sampling_session_id, "type": "save_weights_for_sampler"}
+            reply: dict[str, Any] = {"sampling_session_id": sampling_session_id, "type": "save_weights_for_sampler"}
             if b.get("path"):
                 reply["path"] = to_tinker_path(saved["path"])
             return Reply.json(reply)

@@ -49,7 +49,14 @@ def tinker_env(tinker_server, hub_cache):
     }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # huggingface_hub read the environment when first imported (maybe by an earlier test):
+    # the SDK in this process must see the same cache and offline flag as subprocesses.
+    from huggingface_hub import constants
+
+    old_constants = constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE
+    constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = str(hub_cache), True
     yield env
+    constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = old_constants
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)
