@@ -192,3 +192,34 @@ def test_sampling_resend_and_sampler_lookup(alice):
     proto = public_pb.SampleResponse()
     proto.ParseFromString(reply.content)
     assert len(proto.sequences) == 3 and all(len(s.logprobs) == len(s.tokens) == 4 * 3 for s in proto.sequences)  # int32, float32
+
+
+def test_tinker_ids_survive_a_restart(tmp_path):
+    """After SIGKILL and a restart on the same data dir, a tinker client's ids still work:
+    its model continues at its next seq, finished futures are still answered, its
+    sampling session still samples."""
+    from tests.sdk.conftest import ServeProcess
+
+    server = ServeProcess(tmp_path, "--dtype", "float32")
+    client = Client("", "tml-" + server.create_key())
+    server.start()
+    try:
+        client.url = server.url + "/tinker/api/v1/"
+        session, model_id = client.new_model()
+        first = client.forward_backward(model_id, 1).json()["request_id"]
+        assert client.result(client.optim_step(model_id, 2).json()["request_id"]).status_code == 200
+        ssid = client.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                       "base_model": TINY}).json()["sampling_session_id"]
+        server.kill()
+        server.start()
+
+        assert client.post("get_info", {"model_id": model_id}).json()["model_data"]["model_name"] == TINY
+        assert client.result(first).headers["content-type"] == "application/x-protobuf"
+        assert client.result(client.forward_backward(model_id, 3).json()["request_id"]).status_code == 200
+        assert client.result(client.optim_step(model_id, 4).json()["request_id"]).json()["metrics"]["step"] == 2.0
+        body = {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 1,
+                "prompt": {"chunks": [{"tokens": TOKENS, "type": "encoded_text"}]},
+                "sampling_params": {"max_tokens": 2}}
+        assert client.result(client.post("asample", body).json()["request_id"]).status_code == 200
+    finally:
+        server.stop()
