@@ -26,7 +26,6 @@ durability are the core's. This module only translates (docs: the tinker protoco
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import math
@@ -237,7 +236,8 @@ class TinkerDoor:
         metadata.create_all(self.store.engine)
         self.local: dict[str, LocalFuture] = {}
         self.local_by_key: dict[tuple[str, str], str] = {}
-        self.samples = itertools.count()
+        self.known: dict[tuple[str, str], str] = {}  # (user, tinker id) -> core id; never changes once set
+        self.ops: dict[str, str] = {}  # core request id -> op, for the requests made here (recent ones)
 
     # -- auth --------------------------------------------------------------------------------
 
@@ -271,16 +271,19 @@ class TinkerDoor:
 
     async def core_id(self, user_id: str, tinker_id: str, what: str) -> str:
         """The core's run or sampler id for a tinker id, waiting for its creation if need be."""
+        if (user_id, tinker_id) in self.known:  # every sample and training call asks
+            return self.known[(user_id, tinker_id)]
         row = self.store.get(ids_table, tinker_id=tinker_id)
         if row is None or row["user_id"] != user_id:
             if tinker_id.startswith(("run-", "sampler-")):  # a core id used as is
                 return tinker_id
             raise not_found(f"{what} {tinker_id!r}")
-        if row["core_id"]:
-            return row["core_id"]
-        result = json.loads((await self.wait(user_id, row["request_id"])).result_json or "{}")
-        core_id = result.get("model_id") or result.get("sampler_id")
-        self.store.update(ids_table, "tinker_id", tinker_id, core_id=core_id)
+        core_id = row["core_id"]
+        if not core_id:
+            result = json.loads((await self.wait(user_id, row["request_id"])).result_json or "{}")
+            core_id = result.get("model_id") or result.get("sampler_id")
+            self.store.update(ids_table, "tinker_id", tinker_id, core_id=core_id)
+        self.known[(user_id, tinker_id)] = core_id
         return core_id
 
     def tinker_row_for_run(self, run_id: str) -> dict | None:
@@ -306,7 +309,11 @@ class TinkerDoor:
     def submit(self, user_id: str, op: str, body: dict, key: str | None) -> str:
         """A core request id, or a local future that fails with the core's refusal."""
         try:
-            return self.core.submit(user_id, op, body, key)
+            request_id = self.core.submit(user_id, op, body, key)
+            self.ops[request_id] = op
+            while len(self.ops) > 10_000:  # the oldest first; the store still knows them
+                del self.ops[next(iter(self.ops))]
+            return request_id
         except ServiceError as exc:
             if exc.category == "authentication":
                 raise
@@ -371,8 +378,10 @@ class TinkerDoor:
 
     def translate(self, request_id: str, result: Any) -> Reply:
         """A core result in the shape the tinker SDK expects for that operation."""
-        row = self.store.get(requests_table, request_id=request_id)
-        op = row["op"] if row else ""
+        op = self.ops.get(request_id)
+        if op is None:
+            row = self.store.get(requests_table, request_id=request_id)
+            op = row["op"] if row else ""
         if op in ("forward", "forward_backward"):
             return Reply(encode_forward_output(result), PROTO)
         if op == "sample":
