@@ -326,7 +326,9 @@ class TinkerDoor:
         raise exc
 
     def local_future(self, user_id: str, work: Awaitable[Reply], key: str | None = None) -> str:
-        if key and (user_id, key) in self.local_by_key:
+        if key and (user_id, key) in self.local_by_key:  # a resend: the first one's future
+            if asyncio.iscoroutine(work):
+                work.close()
             return self.local_by_key[(user_id, key)]
         self._forget_old()
         request_id = LOCAL_PREFIX + secrets.token_hex(8)
@@ -369,7 +371,11 @@ class TinkerDoor:
             error = _error(outcome)
             reply = Reply.failed(error.category, error.message)
         else:
-            reply = self.translate(request_id, json.loads(outcome.result_json or "null"))
+            try:
+                reply = self.translate(request_id, json.loads(outcome.result_json or "null"))
+            except Exception as exc:  # as above: answered, never a 5xx
+                log.exception("tinker result of %s not translated", request_id)
+                reply = Reply.failed("server", f"internal error: {exc}")
         return Response(reply.body, media_type=reply.media_type)
 
     @staticmethod

@@ -68,9 +68,10 @@ class Client:
         assert self.result(submitted["request_id"]).json() == {"model_id": submitted["model_id"], "type": "create_model"}
         return session, submitted["model_id"]
 
-    def forward_backward(self, model_id: str, seq_id: int, loss_fn: str = "cross_entropy") -> httpx.Response:
-        datum = tt.Datum(model_input=tt.ModelInput.from_ints(TOKENS[:-1]),
-                         loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)})
+    def forward_backward(self, model_id: str, seq_id: int, loss_fn: str = "cross_entropy",
+                         tokens: list[int] = TOKENS) -> httpx.Response:
+        datum = tt.Datum(model_input=tt.ModelInput.from_ints(tokens[:-1]),
+                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
         request = ForwardBackwardRequest(forward_backward_input=ForwardBackwardInput(data=[datum], loss_fn=loss_fn),
                                          model_id=model_id, seq_id=seq_id)
         return self.post("forward_backward", content=forward_backward_request_to_proto(request).SerializeToString())
@@ -163,6 +164,19 @@ def test_refusals_are_failed_futures_not_retryable_statuses(alice):
     assert body["category"] == "user" and "seq_id" in body["error"]
     unknown = alice.optim_step("sess-000000000000:train:9", 1)
     assert unknown.status_code == 200 and "not found" in alice.result(unknown.json()["request_id"]).json()["error"]
+
+
+def test_limits_fail_the_future_naming_the_limit(alice, server):
+    session, model_id = alice.new_model()
+    too_long = alice.forward_backward(model_id, 1, tokens=[5] * (server.core.limits.max_seq_len + 2)).json()
+    assert "max_seq_len" in alice.result(too_long["request_id"]).json()["error"]
+    assert alice.result(alice.optim_step(model_id, 2).json()["request_id"]).status_code == 200  # seq 1 was not lost
+    ssid = alice.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                  "base_model": TINY}).json()["sampling_session_id"]
+    many = alice.post("asample", {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 10_000,
+                                  "prompt": {"chunks": [{"tokens": TOKENS}]}, "sampling_params": {"max_tokens": 1}})
+    failed = alice.result(many.json()["request_id"]).json()
+    assert failed["category"] == "user" and "num_samples" in failed["error"]
 
 
 def test_users_are_isolated(alice, bob):
