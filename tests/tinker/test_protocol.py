@@ -237,3 +237,32 @@ def test_tinker_ids_survive_a_restart(tmp_path):
         assert client.result(client.post("asample", body).json()["request_id"]).status_code == 200
     finally:
         server.stop()
+
+
+def test_tinker_and_pytrio_users_share_one_forward_backward_pass(server, alice):
+    """Cross-tenant co-batching is the core's: a tinker call and a pytrio call queued
+    together on one base model run in one engine pass."""
+    import pytrio as trio
+    from tests.polling import wait_until
+
+    _, model_id = alice.new_model()
+    pytrio_user = trio.ServiceClient(base_url=server.url, api_key=server.core.store.create_api_key("dave"))
+    other = pytrio_user.create_lora_training_client(base_model=TINY, rank=2)
+    worker = server.core.workers[TINY]
+    engine, calls = worker.engine, []
+    real = engine.forward_backward
+    engine.forward_backward = lambda jobs: calls.append(len(jobs)) or real(jobs)
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints(TOKENS[:-1]), loss_fn_inputs={"target_tokens": TOKENS[1:]})
+    try:
+        with engine.host.lock:  # keep the worker busy so both queue up behind this
+            blocker = other.forward([datum])
+            wait_until(lambda: bool(worker.running), "the blocker to run")
+            pytrio_future = other.forward_backward([datum])
+            tinker_request = alice.forward_backward(model_id, 1).json()["request_id"]
+            wait_until(lambda: len(worker.snapshot()) == 2, "both to queue")
+        blocker.result()
+        assert pytrio_future.result().metrics["loss:sum"] > 0
+        assert alice.result(tinker_request).status_code == 200
+    finally:
+        engine.forward_backward = real
+    assert calls == [2], calls
