@@ -31,14 +31,16 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
 from pytrio import types as t
@@ -439,6 +441,31 @@ def _tinker_checkpoint(c: Any) -> dict:
     }
 
 
+def need(body: dict, name: str) -> Any:
+    """A required field of a tinker body; a missing one is the client's error, never a 500."""
+    if body.get(name) is None:
+        raise ServiceError("validation", f"{name}: required")
+    return body[name]
+
+
+class _AnsweredRoute(APIRoute):
+    """Turns an unexpected exception into a 400: a 5xx would make the SDK retry for minutes."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def answered(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (ServiceError, HTTPException, RequestValidationError):
+                raise
+            except Exception as exc:
+                log.exception("tinker route %s failed", request.url.path)
+                return JSONResponse({"error": {"category": "server", "message": f"internal error: {exc}"}}, 400)
+
+        return answered
+
+
 def _page(items: list, limit: int, offset: int) -> tuple[list, dict]:
     return items[offset:offset + limit], {"offset": offset, "limit": limit, "total_count": len(items)}
 
@@ -446,7 +473,7 @@ def _page(items: list, limit: int, offset: int) -> tuple[list, dict]:
 def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     """The tinker routes; the app mounts them under ``/tinker``."""
     door = TinkerDoor(core, auth)
-    r = APIRouter(prefix="/api/v1")
+    r = APIRouter(prefix="/api/v1", route_class=_AnsweredRoute)
     user = door.user
 
     # -- bootstrap and session -----------------------------------------------------------
@@ -502,8 +529,8 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     @r.post("/create_model")
     async def create_model(body: _Body, request: Request) -> dict:
         user_id, b = user(request), body.model_dump()
-        door.check_session(user_id, b["session_id"])
-        model_id = f"{b['session_id']}:train:{b['model_seq_id']}"
+        door.check_session(user_id, need(b, "session_id"))
+        model_id = f"{need(b, 'session_id')}:train:{need(b, 'model_seq_id')}"
         optimizer = (b.get("optimizer_config") or {}).get("type", "adamw")
         lora = {k: v for k, v in (b.get("lora_config") or {}).items()
                 if k in ("rank", "seed", "train_mlp", "train_attn", "train_unembed")}
@@ -511,7 +538,7 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
             rid = door.local_future(user_id, door._raise(ServiceError(
                 "validation", f"optimizer_config.type: TRIO supports 'adamw' only, got {optimizer!r}")))
             return {"request_id": rid, "model_id": model_id}
-        rid = door.submit(user_id, "create_model", {"base_model": b["base_model"], "lora_config": lora},
+        rid = door.submit(user_id, "create_model", {"base_model": need(b, "base_model"), "lora_config": lora},
                           f"tinker:{model_id}:create")
         door.remember(model_id, user_id, rid, b.get("user_metadata"))
         return {"request_id": rid, "model_id": model_id}
@@ -519,8 +546,8 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     @r.post("/get_info")
     async def get_info(body: _Body, request: Request) -> dict:
         user_id, b = user(request), body.model_dump()
-        run = core.get_run(user_id, await door.core_id(user_id, b["model_id"], "model"))
-        return {"type": "get_info", "model_id": b["model_id"], "is_lora": True, "lora_rank": run.lora_rank,
+        run = core.get_run(user_id, await door.core_id(user_id, need(b, "model_id"), "model"))
+        return {"type": "get_info", "model_id": need(b, "model_id"), "is_lora": True, "lora_rank": run.lora_rank,
                 "model_name": run.base_model,
                 "model_data": {"model_name": run.base_model, "tokenizer_id": run.base_model}}
 
@@ -553,19 +580,19 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     @r.post("/optim_step")
     async def optim_step(body: _Body, request: Request) -> dict:
         user_id, b = user(request), body.model_dump()
-        key = f"tinker:{b['model_id']}:{b.get('seq_id')}"
+        key = f"tinker:{need(b, 'model_id')}:{b.get('seq_id')}"
         params = b.get("adam_params")
         try:
-            run_id = await door.core_id(user_id, b["model_id"], "model")
+            run_id = await door.core_id(user_id, need(b, "model_id"), "model")
             seq = seq_of(b.get("seq_id"))
             if params is None:
                 raise ServiceError("validation", "optim_step: TRIO supports AdamW only (adam_params); "
                                    f"got {sorted(k for k in b if k.endswith('params'))}")
         except ServiceError as exc:
-            return {"request_id": door.local_future(user_id, door._raise(exc), key), "model_id": b["model_id"]}
+            return {"request_id": door.local_future(user_id, door._raise(exc), key), "model_id": need(b, "model_id")}
         adam = {k: v for k, v in params.items() if k != "type"}
         rid = door.submit(user_id, "optim_step", {"model_id": run_id, "seq": seq, "adam_params": adam}, key)
-        return {"request_id": rid, "model_id": b["model_id"]}
+        return {"request_id": rid, "model_id": need(b, "model_id")}
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -578,7 +605,7 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         return await _save(body.model_dump(), user(request), "sampler_weights")
 
     async def _save(b: dict, user_id: str, kind: str) -> dict:
-        model_id, seq_id = b["model_id"], b.get("seq_id")
+        model_id, seq_id = need(b, "model_id"), b.get("seq_id")
         key = f"tinker:{model_id}:{seq_id}"
         try:
             run_id = await door.core_id(user_id, model_id, "model")
@@ -586,7 +613,10 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         except ServiceError as exc:
             return {"request_id": door.local_future(user_id, door._raise(exc), key), "model_id": model_id}
         name = b.get("path") or f"sampler-{seq_id}"  # unnamed: for a sampling session only
-        rid = door.submit(user_id, "save_weights", {"model_id": run_id, "seq": seq, "name": name, "kind": kind}, key)
+        req = {"model_id": run_id, "seq": seq, "name": name, "kind": kind}
+        if "overwrite" in t.SaveWeightsRequest.model_fields:  # once the core refuses to overwrite by default
+            req["overwrite"] = bool(b.get("overwrite"))
+        rid = door.submit(user_id, "save_weights", req, key)
         session_seq = b.get("sampling_session_seq_id")
         if kind != "sampler_weights" or session_seq is None:
             return {"request_id": rid, "model_id": model_id}
@@ -607,8 +637,8 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         user_id, b = user(request), body.model_dump()
         path = to_trio_path(b.get("path") or "")
         if b.get("session_id") is not None:  # a new training client from a checkpoint (its seq 0)
-            door.check_session(user_id, b["session_id"])
-            model_id = f"{b['session_id']}:train:{b['model_seq_id']}"
+            door.check_session(user_id, need(b, "session_id"))
+            model_id = f"{need(b, 'session_id')}:train:{need(b, 'model_seq_id')}"
             rid = door.submit(user_id, "create_model_from_state", {"path": path, "with_optimizer": bool(b.get("optimizer"))},
                               f"tinker:{model_id}:create")
             door.remember(model_id, user_id, rid, b.get("user_metadata"))
@@ -628,9 +658,9 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     @r.post("/create_sampling_session")
     async def create_sampling_session(body: _Body, request: Request) -> dict:
         user_id, b = user(request), body.model_dump()
-        door.check_session(user_id, b["session_id"])
-        sampling_session_id = f"{b['session_id']}:sample:{b['sampling_session_seq_id']}"
-        source = ({"model_path": to_trio_path(b["model_path"])} if b.get("model_path")
+        door.check_session(user_id, need(b, "session_id"))
+        sampling_session_id = f"{need(b, 'session_id')}:sample:{need(b, 'sampling_session_seq_id')}"
+        source = ({"model_path": to_trio_path(need(b, "model_path"))} if b.get("model_path")
                   else {"base_model": b.get("base_model")})
         await door.open_sampler(user_id, sampling_session_id, source)
         return {"sampling_session_id": sampling_session_id, "type": "create_sampling_session"}

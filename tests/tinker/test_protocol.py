@@ -162,6 +162,10 @@ def test_refusals_are_failed_futures_not_retryable_statuses(alice):
     assert seq_zero.status_code == 200
     body = alice.result(seq_zero.json()["request_id"]).json()
     assert body["category"] == "user" and "seq_id" in body["error"]
+    # malformed bodies: a 4xx the SDK does not retry, never a 5xx it would
+    assert alice.post("create_model", {"type": "create_model"}).status_code == 400
+    assert alice.post("forward_backward", content=b"\xff not a protobuf").status_code == 400
+    assert alice.post("session_heartbeat", {}).status_code == 422
     unknown = alice.optim_step("sess-000000000000:train:9", 1)
     assert unknown.status_code == 200 and "not found" in alice.result(unknown.json()["request_id"]).json()["error"]
 
