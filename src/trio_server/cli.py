@@ -82,6 +82,7 @@ def serve(args: argparse.Namespace) -> None:
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     log.info("TRIO listening on http://%s:%d (pid %d)", host, port, os.getpid())
+    log.info("tinker SDK clients: TINKER_BASE_URL=http://%s:%d/tinker TINKER_API_KEY=tml-<key>", host, port)
     config = uvicorn.Config(create_app(core, auth=not args.no_auth), log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])
 
