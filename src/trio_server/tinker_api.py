@@ -19,7 +19,7 @@ durability are the core's. This module only translates (docs: the tinker protoco
   request answers 408 ``try_again`` (re-polled at once by the SDK), a failed one 200
   ``{error, category}``. Nothing permanent answers 409 or 5xx, which the SDK retries for
   minutes. ``forward_backward`` bodies and the ``ForwardBackwardOutput`` and
-  ``SampleResponse`` results are protobuf (vendored ``tinker_public_pb2``), the rest JSON.
+  ``SampleResponse`` results are protobuf (``tinker_wire``), the rest JSON.
 - Keys. ``X-API-Key: tml-<TRIO key>``; with ``--no-auth`` any ``tml-`` key is accepted.
 """
 
@@ -28,14 +28,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,7 +43,6 @@ from pydantic import BaseModel, ConfigDict
 
 from pytrio import types as t
 
-from . import tinker_public_pb2 as _pb
 from .auth import ANONYMOUS
 from .core import Outcome, ServiceCore
 from .errors import RESTART_MESSAGE, ServiceError, not_found
@@ -53,15 +50,24 @@ from .store import now
 from .store import requests as requests_table
 from .store import runs as runs_table
 from .store import samplers as samplers_table
+from .tinker_wire import (
+    decode_datums,
+    encode_forward_output,
+    encode_sample_output,
+    loss_config,
+    pb,
+    seq_of,
+    session_of,
+    to_tinker_path,
+    to_trio_path,
+)
 
 log = logging.getLogger("trio.tinker")
 
-pb: Any = _pb  # generated code: its message classes are made at import time
 POLL_SECONDS = 25.0  # under the SDK's 45 s per-poll timeout
 KEY_PREFIX = "tml-"
 PROTO = "application/x-protobuf"
 LOCAL_PREFIX = "tinker-"  # request ids of futures this module holds, not the core
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 CATEGORY = {"validation": "user", "not_found": "user", "capacity": "user", "authentication": "user",
             "server": "server"}
 
@@ -94,107 +100,6 @@ class RetrieveBody(_Body):
 
 class SessionBody(_Body):
     session_id: str
-
-
-# -- paths and ids ---------------------------------------------------------------------------
-
-
-def to_trio_path(path: str) -> str:
-    """``tinker://<run>/<kind>/<name>`` -> ``trio://...`` (the same checkpoint)."""
-    if path.startswith("tinker://"):
-        return "trio://" + path[len("tinker://"):]
-    return path
-
-
-def to_tinker_path(path: str | None) -> str | None:
-    return None if path is None else "tinker://" + path.split("://", 1)[-1]
-
-
-def session_of(model_id: str) -> str:
-    return model_id.split(":", 1)[0]
-
-
-def seq_of(seq_id: Any) -> int:
-    """The tinker SDK numbers a client's requests from 1; the core from 0."""
-    if not isinstance(seq_id, int) or seq_id < 1:
-        raise ServiceError("validation", f"seq_id: must be an integer >= 1, got {seq_id!r}")
-    return seq_id - 1
-
-
-# -- protobuf <-> the core's wire types ------------------------------------------------------
-
-_NP: dict[int, Any] = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: np.dtype("<i4")}
-
-
-def _tensor(name: str, i: int, msg: Any) -> dict:
-    where = f"data[{i}].loss_fn_inputs[{name!r}]"
-    if msg.WhichOneof("encoding") == "sparse_csr":
-        raise ServiceError("validation", f"{where}: sparse (top-k) tensors are not supported by TRIO; send dense 1-D tensors")
-    if msg.dtype == 4:
-        raw = np.frombuffer(msg.dense, dtype="<u2").astype(np.uint32) << 16
-        array = raw.view(np.float32)
-    elif msg.dtype in _NP:
-        array = np.frombuffer(msg.dense, dtype=_NP[msg.dtype])
-    else:
-        raise ServiceError("validation", f"{where}: unknown dtype {msg.dtype}")
-    dtype = "float32" if array.dtype.kind == "f" else "int64"
-    return {"data": array.tolist(), "dtype": dtype, "shape": list(msg.shape) or None}
-
-
-def decode_datums(msg: Any) -> list[dict]:
-    """The protobuf ``ForwardBackwardRequest.data`` as the core's ``Datum`` dicts."""
-    data = []
-    for i, datum in enumerate(msg.data):
-        tokens: list[int] = []
-        for chunk in datum.model_input:
-            kind = chunk.WhichOneof("chunk")
-            if kind != "encoded_text":
-                raise ServiceError("validation", f"data[{i}].model_input: {kind} chunks are not supported by TRIO (encoded_text only)")
-            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
-        inputs = {name: _tensor(name, i, t) for name, t in datum.loss_fn_inputs.items()}
-        data.append({"model_input": {"chunks": [{"tokens": tokens}]}, "loss_fn_inputs": inputs})
-    return data
-
-
-def loss_config(msg: Any) -> dict[str, float] | None:
-    config: dict[str, float] = dict(msg.loss_fn_config)
-    for key, value in msg.loss_fn_config_v2.items():
-        if value.WhichOneof("value") == "text":
-            raise ServiceError("validation", f"loss_fn_config[{key!r}]: TRIO takes numbers only, got {value.text!r}")
-        config[key] = value.number
-    return config or None
-
-
-def encode_forward_output(result: dict) -> bytes:
-    """The core's ForwardBackwardOutput JSON as tinker's protobuf: one ArrayRecord."""
-    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
-    per_datum = result["loss_fn_outputs"]
-    record = out.loss_fn_outputs.add()
-    record.num_datums = len(per_datum)
-    for name in ("logprobs", "elementwise_loss"):
-        arrays = [np.asarray(d[name]["data"], dtype="<f4") for d in per_datum if name in d]
-        if len(arrays) != len(per_datum):
-            continue
-        field = record.fields[name]
-        field.data = b"".join(a.tobytes() for a in arrays)
-        field.offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype="<i8").tobytes()
-        field.dtype = 1
-    for key, value in result["metrics"].items():
-        out.metrics[key if ":" in key else key + ":mean"] = float(value)  # the SDK splits on ':'
-    return out.SerializeToString()
-
-
-def encode_sample_output(result: dict) -> bytes:
-    out = pb.SampleResponse()
-    for seq in result["sequences"]:
-        s = out.sequences.add()
-        s.stop_reason = 0 if seq["stop_reason"] == "stop" else 1
-        s.tokens = np.asarray(seq["tokens"], dtype="<i4").tobytes()
-        s.logprobs = np.asarray(seq["logprobs"], dtype="<f4").tobytes()
-    if result.get("prompt_logprobs") is not None:
-        values = [math.nan if v is None else v for v in result["prompt_logprobs"]]
-        out.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
-    return out.SerializeToString()
 
 
 def _error(outcome: Outcome) -> t.ErrorInfo:
