@@ -183,6 +183,17 @@ def load_model_and_tokenizer(
     return model, tokenizer
 
 
+def load_tokenizer(source: ModelSource) -> Any:
+    """The tokenizer alone of a resolved source (no weights are loaded)."""
+    from transformers import AutoTokenizer
+
+    if source.kind == "tiny":
+        return _tiny_tokenizer(source.config["tokenizer"])
+    if source.kind == "packaged_gguf":
+        return AutoTokenizer.from_pretrained(converted_gguf_folder(source))
+    return AutoTokenizer.from_pretrained(source.name if source.kind == "hub" else source.path)
+
+
 def converted_gguf_folder(source: ModelSource) -> Path:
     """The clean safetensors folder for a packaged GGUF, converting it on first use."""
     out = trio_home() / "models" / source.name.replace("/", "--")

@@ -4,6 +4,7 @@
     POST /api/v1/retrieve_future      long poll (<= 30 s): done | failed | pending
     GET  /api/v1/healthz              no key needed
     GET  /api/v1/capabilities, /tokenizer, /runs, /runs/{id}, /checkpoints
+    /tinker/api/v1/...                the tinker SDK's routes (tinker_api.py)
     DELETE /api/v1/checkpoints?path=  GET /api/v1/checkpoints/archive?path= (ranges)
 
 Errors are ``{"error": {"category", "message"}}`` with a 4xx/5xx status; malformed
@@ -110,6 +111,9 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
         archive = core.checkpoint_archive(user(request), path)
         return FileResponse(archive, media_type="application/x-tar", filename=archive.name)
 
+    from .tinker_api import create_router  # the tinker 0.38 wire protocol, over the same core
+
+    app.include_router(create_router(core, auth), prefix="/tinker")
     return app
 
 

@@ -1,4 +1,4 @@
-"""The ``trio`` command: ``trio serve`` and ``trio keys create``.
+"""The ``trio`` command: ``trio serve``, ``trio keys create``, ``trio tokenizers install``.
 
 It lives in the service package, not the SDK: it starts the server, and the SDK never
 imports the server (only ``pytrio.transport.local`` does, to run it in-process).
@@ -82,6 +82,7 @@ def serve(args: argparse.Namespace) -> None:
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     log.info("TRIO listening on http://%s:%d (pid %d)", host, port, os.getpid())
+    log.info("tinker SDK clients: TINKER_BASE_URL=http://%s:%d/tinker TINKER_API_KEY=tml-<key>", host, port)
     config = uvicorn.Config(create_app(core, auth=not args.no_auth), log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])
 
@@ -95,6 +96,63 @@ def keys_create(args: argparse.Namespace) -> None:
     key = store.create_api_key(args.name)
     print(key)
     print(f"# key {args.name!r} created; it is shown only this once. Use: export PYTRIO_API_KEY={key}", file=sys.stderr)
+    print(f"# for the tinker SDK: export TINKER_API_KEY=tml-{key}", file=sys.stderr)
+
+
+def tokenizers_install(args: argparse.Namespace) -> None:
+    """Write each catalog model's tokenizer into a Hugging Face hub cache, so that
+    ``AutoTokenizer.from_pretrained(name)`` works offline (HF_HUB_OFFLINE=1) on a client."""
+    from trio_engine import Catalog
+
+    cache = Path(args.cache_dir) if args.cache_dir else _hf_hub_cache()
+    catalog = Catalog()
+    names = args.models or catalog.available()
+    for name in names:
+        folder = install_tokenizer(catalog, name, cache)
+        print(f"{name}: {folder}")
+
+
+def _hf_hub_cache() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def install_tokenizer(catalog: object, name: str, cache: Path) -> Path:
+    """``<cache>/models--Org--Name/snapshots/<rev>/`` + ``refs/main``; returns the snapshot."""
+    import hashlib
+    import json
+    import shutil
+    import tempfile
+
+    from trio_engine.catalog import load_tokenizer
+
+    source = catalog.resolve(name)  # type: ignore[attr-defined]
+    tokenizer = load_tokenizer(source)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+    config = json.loads(files.get("tokenizer_config.json", b"{}"))
+    # A class that every transformers release loads from tokenizer.json alone.
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    files["tokenizer_config.json"] = json.dumps(config, indent=2).encode()
+    files.setdefault("config.json", json.dumps({"model_type": source.config.get("arch", "llama")}).encode())
+    digest = hashlib.sha1()
+    for fname in sorted(files):
+        digest.update(fname.encode() + b"\0" + files[fname])
+    revision = digest.hexdigest()
+    repo = cache / ("models--" + name.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    tmp_dir = snapshot.with_name(revision + ".tmp")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    for fname, data in files.items():
+        (tmp_dir / fname).write_bytes(data)
+    shutil.rmtree(snapshot, ignore_errors=True)
+    tmp_dir.rename(snapshot)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--data-dir")
     k.add_argument("--db")
     k.set_defaults(func=keys_create)
+
+    tok = sub.add_parser("tokenizers", help="tokenizers for clients (the tinker SDK, tinker-cookbook)")
+    tsub = tok.add_subparsers(dest="tokenizers_command", required=True)
+    t = tsub.add_parser("install", help="write the catalog models' tokenizers into a Hugging Face hub cache, "
+                                        "so clients load them by name with HF_HUB_OFFLINE=1")
+    t.add_argument("--cache-dir", help="hub cache to write (default: $HF_HUB_CACHE, else $HF_HOME/hub, "
+                                       "else ~/.cache/huggingface/hub)")
+    t.add_argument("models", nargs="*", help="model names (default: every model available here)")
+    t.set_defaults(func=tokenizers_install)
     return parser
 
 

@@ -243,6 +243,10 @@ class ServiceCore:
         row = self.store.get(requests_table, user_id=user_id, idempotency_key=key)
         return row["request_id"] if row else None
 
+    def request_for_key(self, user_id: str, key: str) -> str | None:
+        """The request a submit with this idempotency key registered, if any."""
+        return self._idempotent(user_id, key)
+
     @staticmethod
     def _parse(op: str, body: Any) -> pydantic.BaseModel:
         model = t.OPERATIONS[op][0]
@@ -306,6 +310,10 @@ class ServiceCore:
         if kind and row["kind"] != kind:
             raise ServiceError("validation", f"path: {path!r} is a {row['kind']} checkpoint, need {kind}")
         return row
+
+    def checkpoint_row(self, user_id: str, path: str) -> dict:
+        """A checkpoint's record; 404 unless it is this user's."""
+        return self._checkpoint(user_id, path)
 
     def _check_seq(self, item: WorkItem) -> None:
         assert item.run_id is not None and item.seq is not None

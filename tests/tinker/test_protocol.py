@@ -1,0 +1,272 @@
+"""The tinker wire protocol at the HTTP level: keys, retries, futures, isolation.
+
+What the SDK cannot be made to do on purpose (resend a seq under a new idempotency key,
+poll a future that is still pending, use another user's ids) is sent here by hand, with
+the SDK's own protobuf encoder, to an in-process server on the tiny Llama.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+pytest.importorskip("tinker")
+from tinker.proto import tinker_public_pb2 as public_pb  # noqa: E402
+from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
+from tinker.types.forward_backward_input import ForwardBackwardInput  # noqa: E402
+from tinker.types.forward_backward_request import ForwardBackwardRequest  # noqa: E402
+
+from tests.sdk.conftest import ServerThread  # noqa: E402
+from tinker import types as tt  # noqa: E402
+
+TINY = "trio/tiny-llama"
+TOKENS = [1, 17, 23, 99, 5, 8, 40]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from trio_server.app import create_app
+    from trio_server.core import Limits, ServiceCore
+
+    core = ServiceCore(tmp_path_factory.mktemp("tinker-core"), dtype="float32", limits=Limits(seq_gap_seconds=120))
+    server = ServerThread(create_app(core, auth=True))
+    server.core = core
+    yield server
+    server.stop()
+    core.close()
+
+
+class Client:
+    """Raw tinker calls: every POST under a fresh idempotency key, as the SDK's outer retry does."""
+
+    def __init__(self, url: str, key: str):
+        self.url, self.key = url + "/tinker/api/v1/", key
+
+    def post(self, path: str, body: dict | None = None, content: bytes | None = None) -> httpx.Response:
+        headers = {"X-API-Key": self.key, "X-Idempotency-Key": f"stainless-python-retry-{uuid.uuid4()}"}
+        if content is not None:
+            headers["Content-Type"] = "application/x-protobuf"
+        return httpx.post(self.url + path, json=body if content is None else None, content=content,
+                          headers=headers, timeout=60)
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, headers={"X-API-Key": self.key}, timeout=60)
+
+    def result(self, request_id: str) -> httpx.Response:
+        """Poll like the SDK: re-poll at once on 408."""
+        while True:
+            reply = self.post("retrieve_future", {"request_id": request_id, "allow_metadata_only": True})
+            if reply.status_code != 408:
+                return reply
+
+    def new_model(self) -> tuple[str, str]:
+        session = self.post("create_session", {"tags": [], "sdk_version": "0.38.0", "type": "create_session"}).json()["session_id"]
+        submitted = self.post("create_model", {"session_id": session, "model_seq_id": 0, "base_model": TINY,
+                                               "lora_config": {"rank": 4}, "type": "create_model"}).json()
+        assert self.result(submitted["request_id"]).json() == {"model_id": submitted["model_id"], "type": "create_model"}
+        return session, submitted["model_id"]
+
+    def forward_backward(self, model_id: str, seq_id: int, loss_fn: str = "cross_entropy",
+                         tokens: list[int] = TOKENS) -> httpx.Response:
+        datum = tt.Datum(model_input=tt.ModelInput.from_ints(tokens[:-1]),
+                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        request = ForwardBackwardRequest(forward_backward_input=ForwardBackwardInput(data=[datum], loss_fn=loss_fn),
+                                         model_id=model_id, seq_id=seq_id)
+        return self.post("forward_backward", content=forward_backward_request_to_proto(request).SerializeToString())
+
+    def optim_step(self, model_id: str, seq_id: int) -> httpx.Response:
+        return self.post("optim_step", {"model_id": model_id, "seq_id": seq_id, "type": "optim_step",
+                                        "adam_params": {"learning_rate": 1e-3}})
+
+
+@pytest.fixture(scope="module")
+def alice(server):
+    return Client(server.url, "tml-" + server.core.store.create_api_key("alice"))
+
+
+@pytest.fixture(scope="module")
+def bob(server):
+    return Client(server.url, "tml-" + server.core.store.create_api_key("bob"))
+
+
+def test_keys_need_the_tml_prefix(server):
+    key = server.core.store.create_api_key("carol")
+    assert Client(server.url, "tml-" + key).post("client/config", {"sdk_version": "0.38.0"}).status_code == 200
+    assert Client(server.url, key).post("client/config", {}).status_code == 401  # a bare TRIO key
+    assert Client(server.url, "tml-nope").post("client/config", {}).status_code == 401
+
+
+def test_no_auth_accepts_any_tml_key(tmp_path):
+    from trio_server.app import create_app
+    from trio_server.core import ServiceCore
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    server = ServerThread(create_app(core, auth=False))
+    try:
+        assert Client(server.url, "tml-anything").post("client/config", {}).status_code == 200
+        assert Client(server.url, "anything").post("client/config", {}).status_code == 401
+    finally:
+        server.stop()
+        core.close()
+
+
+def test_session_routes(alice):
+    session = alice.post("create_session", {"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    assert alice.post("session_heartbeat", {"session_id": session, "type": "session_heartbeat"}).status_code == 200
+    assert alice.post("telemetry", {"events": [], "session_id": session}).json() == {"status": "accepted"}
+    assert alice.post("client/dynamic_config", {"sdk_version": "0.38.0"}).status_code == 200
+    assert alice.get("healthz").json() == {"status": "ok"}
+    assert alice.post(f"sessions/{session}/finish", {"reason": {"type": "success"}}).status_code == 200
+
+
+def test_a_resent_seq_runs_once(alice):
+    """The SDK's outer retry resends a seq under a new idempotency key: same request, run once."""
+    _, model_id = alice.new_model()
+    first = alice.forward_backward(model_id, 1).json()
+    again = alice.forward_backward(model_id, 1).json()
+    assert first["request_id"] == again["request_id"]
+    step = alice.optim_step(model_id, 2).json()
+    assert alice.optim_step(model_id, 2).json()["request_id"] == step["request_id"]
+    assert alice.result(step["request_id"]).json()["metrics"]["step"] == 1.0  # one step, not two
+
+    output = alice.result(first["request_id"])
+    assert output.headers["content-type"] == "application/x-protobuf"
+    proto = public_pb.ForwardBackwardOutput()
+    proto.ParseFromString(output.content)
+    assert "loss:sum" in proto.metrics and proto.loss_fn_outputs[0].num_datums == 1
+
+
+def test_pending_is_408_try_again_and_failed_is_200_error(alice, monkeypatch):
+    from trio_server import tinker_api
+
+    monkeypatch.setattr(tinker_api, "POLL_SECONDS", 0.2)
+    _, model_id = alice.new_model()
+    waiting = alice.forward_backward(model_id, 2).json()  # seq 1 has not arrived: it must wait
+    pending = alice.post("retrieve_future", {"request_id": waiting["request_id"]})
+    assert pending.status_code == 408
+    assert pending.json() == {"type": "try_again", "request_id": waiting["request_id"], "queue_state": "active"}
+
+    bad = alice.forward_backward(model_id, 1, loss_fn="stable_reinforce").json()
+    failed = alice.result(bad["request_id"])
+    assert failed.status_code == 200
+    body = failed.json()
+    assert body["category"] == "user" and "stable_reinforce" in body["error"] and "cross_entropy" in body["error"]
+    assert alice.result(waiting["request_id"]).status_code == 200  # seq 1 resolved, so seq 2 ran
+
+
+def test_refusals_are_failed_futures_not_retryable_statuses(alice):
+    _, model_id = alice.new_model()
+    seq_zero = alice.optim_step(model_id, 0)  # tinker numbers from 1
+    assert seq_zero.status_code == 200
+    body = alice.result(seq_zero.json()["request_id"]).json()
+    assert body["category"] == "user" and "seq_id" in body["error"]
+    # malformed bodies: a 4xx the SDK does not retry, never a 5xx it would
+    assert alice.post("create_model", {"type": "create_model"}).status_code == 400
+    assert alice.post("forward_backward", content=b"\xff not a protobuf").status_code == 400
+    assert alice.post("session_heartbeat", {}).status_code == 422
+    unknown = alice.optim_step("sess-000000000000:train:9", 1)
+    assert unknown.status_code == 200 and "not found" in alice.result(unknown.json()["request_id"]).json()["error"]
+
+
+def test_limits_fail_the_future_naming_the_limit(alice, server):
+    session, model_id = alice.new_model()
+    too_long = alice.forward_backward(model_id, 1, tokens=[5] * (server.core.limits.max_seq_len + 2)).json()
+    assert "max_seq_len" in alice.result(too_long["request_id"]).json()["error"]
+    assert alice.result(alice.optim_step(model_id, 2).json()["request_id"]).status_code == 200  # seq 1 was not lost
+    ssid = alice.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                  "base_model": TINY}).json()["sampling_session_id"]
+    many = alice.post("asample", {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 10_000,
+                                  "prompt": {"chunks": [{"tokens": TOKENS}]}, "sampling_params": {"max_tokens": 1}})
+    failed = alice.result(many.json()["request_id"]).json()
+    assert failed["category"] == "user" and "num_samples" in failed["error"]
+
+
+def test_users_are_isolated(alice, bob):
+    _, model_id = alice.new_model()
+    submitted = alice.forward_backward(model_id, 1).json()
+    assert bob.post("get_info", {"model_id": model_id, "type": "get_info"}).status_code == 404
+    assert bob.post("retrieve_future", {"request_id": submitted["request_id"]}).status_code == 404
+    refused = bob.forward_backward(model_id, 2).json()
+    assert "not found" in bob.result(refused["request_id"]).json()["error"]
+    run_id = alice.get("training_runs").json()["training_runs"][-1]["training_run_id"]
+    assert bob.get(f"training_runs/{run_id}").status_code == 404
+    assert run_id not in {r["training_run_id"] for r in bob.get("training_runs").json()["training_runs"]}
+
+
+def test_sampling_resend_and_sampler_lookup(alice):
+    session, model_id = alice.new_model()
+    opened = alice.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                     "base_model": TINY, "type": "create_sampling_session"}).json()
+    ssid = opened["sampling_session_id"]
+    assert alice.get(f"samplers/{ssid}").json()["base_model"] == TINY
+    body = {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 3, "type": "sample",
+            "prompt": {"chunks": [{"tokens": TOKENS, "type": "encoded_text"}]},
+            "sampling_params": {"max_tokens": 3, "temperature": 1.0, "top_k": -1, "top_p": 1.0, "stop": [], "seed": 1}}
+    first, again = alice.post("asample", body).json(), alice.post("asample", body).json()
+    assert first["request_id"] == again["request_id"] and len(first["sample_sequence_ids"]) == 3
+    reply = alice.result(first["request_id"])
+    proto = public_pb.SampleResponse()
+    proto.ParseFromString(reply.content)
+    assert len(proto.sequences) == 3 and all(len(s.logprobs) == len(s.tokens) == 4 * 3 for s in proto.sequences)  # int32, float32
+
+
+def test_tinker_ids_survive_a_restart(tmp_path):
+    """After SIGKILL and a restart on the same data dir, a tinker client's ids still work:
+    its model continues at its next seq, finished futures are still answered, its
+    sampling session still samples."""
+    from tests.sdk.conftest import ServeProcess
+
+    server = ServeProcess(tmp_path, "--dtype", "float32")
+    client = Client("", "tml-" + server.create_key())
+    server.start()
+    try:
+        client.url = server.url + "/tinker/api/v1/"
+        session, model_id = client.new_model()
+        first = client.forward_backward(model_id, 1).json()["request_id"]
+        assert client.result(client.optim_step(model_id, 2).json()["request_id"]).status_code == 200
+        ssid = client.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                       "base_model": TINY}).json()["sampling_session_id"]
+        server.kill()
+        server.start()
+
+        assert client.post("get_info", {"model_id": model_id}).json()["model_data"]["model_name"] == TINY
+        assert client.result(first).headers["content-type"] == "application/x-protobuf"
+        assert client.result(client.forward_backward(model_id, 3).json()["request_id"]).status_code == 200
+        assert client.result(client.optim_step(model_id, 4).json()["request_id"]).json()["metrics"]["step"] == 2.0
+        body = {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 1,
+                "prompt": {"chunks": [{"tokens": TOKENS, "type": "encoded_text"}]},
+                "sampling_params": {"max_tokens": 2}}
+        assert client.result(client.post("asample", body).json()["request_id"]).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_tinker_and_pytrio_users_share_one_forward_backward_pass(server, alice):
+    """Cross-tenant co-batching is the core's: a tinker call and a pytrio call queued
+    together on one base model run in one engine pass."""
+    import pytrio as trio
+    from tests.polling import wait_until
+
+    _, model_id = alice.new_model()
+    pytrio_user = trio.ServiceClient(base_url=server.url, api_key=server.core.store.create_api_key("dave"))
+    other = pytrio_user.create_lora_training_client(base_model=TINY, rank=2)
+    worker = server.core.workers[TINY]
+    engine, calls = worker.engine, []
+    real = engine.forward_backward
+    engine.forward_backward = lambda jobs: calls.append(len(jobs)) or real(jobs)
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints(TOKENS[:-1]), loss_fn_inputs={"target_tokens": TOKENS[1:]})
+    try:
+        with engine.host.lock:  # keep the worker busy so both queue up behind this
+            blocker = other.forward([datum])
+            wait_until(lambda: bool(worker.running), "the blocker to run")
+            pytrio_future = other.forward_backward([datum])
+            tinker_request = alice.forward_backward(model_id, 1).json()["request_id"]
+            wait_until(lambda: len(worker.snapshot()) == 2, "both to queue")
+        blocker.result()
+        assert pytrio_future.result().metrics["loss:sum"] > 0
+        assert alice.result(tinker_request).status_code == 200
+    finally:
+        engine.forward_backward = real
+    assert calls == [2], calls
