@@ -517,13 +517,15 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
             seq = seq_of(seq_id)
         except ServiceError as exc:
             return {"request_id": door.local_future(user_id, door._raise(exc), key), "model_id": model_id}
-        name = b.get("path") or f"sampler-{seq_id}"  # unnamed: for a sampling session only
-        req = {"model_id": run_id, "seq": seq, "name": name, "kind": kind}
-        if "overwrite" in t.SaveWeightsRequest.model_fields:  # once the core refuses to overwrite by default
-            req["overwrite"] = bool(b.get("overwrite"))
+        # Unnamed sampler weights (only for a sampling session) are the core's ephemeral
+        # kind: never listed, removed at restart and beyond the run's quota.
+        name = b.get("path") or None
+        if name is None and kind == "sampler_weights":
+            kind = "ephemeral"
+        req = {"model_id": run_id, "seq": seq, "name": name, "kind": kind, "overwrite": bool(b.get("overwrite"))}
         rid = door.submit(user_id, "save_weights", req, key)
         session_seq = b.get("sampling_session_seq_id")
-        if kind != "sampler_weights" or session_seq is None:
+        if kind == "weights" or session_seq is None:
             return {"request_id": rid, "model_id": model_id}
 
         async def then_sample() -> Reply:  # save, then open the sampling session on it
