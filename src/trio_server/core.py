@@ -154,30 +154,46 @@ class ServiceCore:
 
     # -- submit / retrieve ------------------------------------------------------------
 
-    def submit(self, user_id: str, op: str, body: Any, idempotency_key: str | None = None) -> str:
-        """Validate and queue one operation; returns its request id at once."""
+    def submit(self, user_id: str, op: str, body: Any, idempotency_key: str | None = None,
+               refusal: ServiceError | None = None) -> str:
+        """Validate and queue one operation; returns its request id at once.
+
+        ``refusal``: a front door could not translate this call (its body names the run
+        and seq); the call is refused with it, but still takes its place in the run's order.
+        """
         if op not in t.OPERATIONS:
             raise ServiceError("not_found", f"unknown operation {op!r}", 404)
         if idempotency_key:
             existing = self._idempotent(user_id, idempotency_key)
             if existing:
                 return existing
-        request = self._parse(op, body)
-        item = WorkItem(request_id="req-" + secrets.token_hex(8), op=op, request=request, user_id=user_id)
-        base_model = self._route(item)
-        rejection = None
+        rejection: ServiceError | None = None
+        try:
+            if refusal is not None:
+                raise refusal
+            item = WorkItem(request_id="req-" + secrets.token_hex(8), op=op, request=self._parse(op, body),
+                            user_id=user_id)
+            base_model = self._route(item)
+        except ServiceError as exc:
+            if (place := self._place_of_refused(user_id, body)) is None:
+                raise
+            (item, base_model), rejection = place, exc
         with self.lock:
             if idempotency_key and (existing := self._idempotent(user_id, idempotency_key)):
                 return existing  # a concurrent retry registered it meanwhile
             if item.run_id is not None and item.seq is not None:
                 self._check_seq(item)
-            try:
-                self._check_limits(item)
-            except ServiceError as exc:
-                if item.seq is None:
-                    raise
-                # It still holds its place in the run's order, or later calls would wait forever.
-                item.op, item.context["error"], rejection = "rejected", exc, exc
+            if rejection is None:
+                try:
+                    self._check_limits(item)
+                except ServiceError as exc:
+                    if item.seq is None:
+                        raise
+                    rejection = exc
+            if rejection is not None:
+                # A refused call still takes its place in its run's order: the run's later
+                # calls must neither wait for it (seq_gap_seconds) nor run before it.
+                item.op, item.context["error"] = "rejected", rejection
             item.arrival = next(self.arrivals)
             self.futures[item.request_id] = concurrent.futures.Future()
             self.owners[item.request_id] = user_id
@@ -199,6 +215,22 @@ class ServiceCore:
         if rejection:
             raise rejection
         return item.request_id
+
+    def _place_of_refused(self, user_id: str, body: Any) -> tuple[WorkItem, str] | None:
+        """The place in its run's order of a request refused before it was queued, when
+        its body names a run of this user and a seq; else None (nothing to hold)."""
+        def field(name: str) -> Any:
+            return body.get(name) if isinstance(body, dict) else getattr(body, name, None)
+
+        run_id, seq = field("model_id"), field("seq")
+        if not isinstance(run_id, str) or type(seq) is not int:
+            return None
+        run = self.store.get(runs_table, run_id=run_id)
+        if run is None or run["user_id"] != user_id:
+            return None
+        item = WorkItem(request_id="req-" + secrets.token_hex(8), op="rejected", request=None,
+                        user_id=user_id, run_id=run_id, seq=seq)
+        return item, run["base_model"]
 
     async def retrieve(self, user_id: str, request_id: str, timeout: float = 30.0) -> Outcome:
         """The outcome of a request, waiting up to ``timeout`` s (long poll)."""

@@ -213,10 +213,13 @@ class TinkerDoor:
                 error = _error(outcome)
                 raise ServiceError(error.category, error.message)
 
-    def submit(self, user_id: str, op: str, body: dict, key: str | None) -> str:
-        """A core request id, or a local future that fails with the core's refusal."""
+    def submit(self, user_id: str, op: str, body: dict, key: str | None,
+               refusal: ServiceError | None = None) -> str:
+        """A core request id, or a local future that fails with the core's refusal.
+        ``refusal``: this door's own (see ServiceCore.submit); a call that names its run
+        and seq still takes its place in the run's order."""
         try:
-            request_id = self.core.submit(user_id, op, body, key)
+            request_id = self.core.submit(user_id, op, body, key, refusal)
             self.ops[request_id] = op
             while len(self.ops) > 10_000:  # the oldest first; the store still knows them
                 del self.ops[next(iter(self.ops))]
@@ -473,13 +476,14 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         try:
             run_id = await door.core_id(user_id, model_id, "model")
             seq = seq_of(seq_id)
-            data = decode_datums(msg)
-            config = loss_config(msg)
         except ServiceError as exc:
             return await refuse(exc)
         op = "forward" if msg.forward_only else "forward_backward"
-        req = {"model_id": run_id, "seq": seq, "data": data, "loss_fn": msg.loss_fn or "cross_entropy",
-               "loss_fn_config": config}
+        req: dict[str, Any] = {"model_id": run_id, "seq": seq}
+        try:
+            req.update(data=decode_datums(msg), loss_fn=msg.loss_fn or "cross_entropy", loss_fn_config=loss_config(msg))
+        except ServiceError as exc:  # the run and seq are known: it still takes its place
+            return {"request_id": door.submit(user_id, op, req, key, refusal=exc), "model_id": model_id}
         return {"request_id": door.submit(user_id, op, req, key), "model_id": model_id}
 
     @r.post("/optim_step")
@@ -490,13 +494,15 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         try:
             run_id = await door.core_id(user_id, need(b, "model_id"), "model")
             seq = seq_of(b.get("seq_id"))
-            if params is None:
-                raise ServiceError("validation", "optim_step: TRIO supports AdamW only (adam_params); "
-                                   f"got {sorted(k for k in b if k.endswith('params'))}")
         except ServiceError as exc:
             return {"request_id": door.local_future(user_id, door._raise(exc), key), "model_id": need(b, "model_id")}
-        adam = {k: v for k, v in params.items() if k != "type"}
-        rid = door.submit(user_id, "optim_step", {"model_id": run_id, "seq": seq, "adam_params": adam}, key)
+        req: dict[str, Any] = {"model_id": run_id, "seq": seq}
+        if params is None:  # refused, but in its place in the run's order
+            refusal = ServiceError("validation", "optim_step: TRIO supports AdamW only (adam_params); "
+                                   f"got {sorted(k for k in b if k.endswith('params'))}")
+            return {"request_id": door.submit(user_id, "optim_step", req, key, refusal), "model_id": need(b, "model_id")}
+        req["adam_params"] = {k: v for k, v in params.items() if k != "type"}
+        rid = door.submit(user_id, "optim_step", req, key)
         return {"request_id": rid, "model_id": need(b, "model_id")}
 
     # -- checkpoints ---------------------------------------------------------------------

@@ -6,7 +6,7 @@ import time
 
 import pytrio as trio
 from pytrio.transport.local import LocalTransport
-from trio_server.core import ServiceCore
+from trio_server.core import Limits, ServiceCore
 from trio_server.engine import snapshot_path
 
 from ..polling import wait_until
@@ -118,4 +118,29 @@ def test_concurrent_retries_with_one_key_run_once(tmp_path):
     assert len(ids) == 1
     tc.get_info()  # ordered after the optim_step: it has run by now
     assert executed == [tc.model_id]  # one request id, and one execution
+    core.close()
+
+
+def test_a_refused_call_keeps_its_place_so_the_next_call_does_not_wait(tmp_path):
+    """A call the core refuses after its run and seq are known (a bad body, a missing
+    checkpoint) still uses its seq: the run's next call runs, with no gap to wait out."""
+    import pytest
+
+    from pytrio.futures import run_sync
+    from trio_server.errors import ServiceError
+
+    core = ServiceCore(tmp_path, dtype="float32", limits=Limits(seq_gap_seconds=3600))
+    svc = trio.ServiceClient(transport=LocalTransport(core))
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    with pytest.raises(trio.NotFoundError):  # refused while routing: the SDK's seq 0
+        tc.load_state(f"trio://{tc.model_id}/weights/missing").result(timeout=60)
+    assert tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result(timeout=60).metrics["step"] == 0
+
+    run_id = svc.create_lora_training_client(base_model=MODEL, rank=2).model_id
+    with pytest.raises(ServiceError, match="learning_rate"):  # refused while parsing
+        core.submit("local", "optim_step", {"model_id": run_id, "seq": 0, "adam_params": {"learning_rate": "fast"}})
+    step = core.submit("local", "optim_step", {"model_id": run_id, "seq": 1, "adam_params": {}})
+    assert run_sync(svc._session.transport.retrieve(step, 60)).status == "done"
+    with pytest.raises(ServiceError, match="already used"):  # the refused seq is spent
+        core.submit("local", "optim_step", {"model_id": run_id, "seq": 0, "adam_params": {}})
     core.close()

@@ -24,6 +24,7 @@ from pytrio import types as t
 from trio_server.app import create_app
 from trio_server.core import ServiceCore
 
+from ..polling import wait_until
 from ..sdk.conftest import ServerThread
 
 MODEL = "trio/tiny-llama"
@@ -158,7 +159,11 @@ def world(tmp_path_factory) -> World:
 
 
 def _seq(w: World, run_id: str) -> int:
-    return w.core.next_seq.get(run_id, 0)  # the number that would run next: the strongest attempt
+    """The number that would run next: the strongest attempt. A refused call still uses
+    its number (it is queued to fail in its place), so wait until the run's queue is empty."""
+    wait_until(lambda: not any(i.run_id == run_id for wk in w.core.workers.values() for i in wk.snapshot())
+               and not any(wk.running for wk in w.core.workers.values()), "the run's queue to drain")
+    return w.core.next_seq.get(run_id, 0)
 
 
 # (name, op or None for REST, request builder: (ids, world) -> (method, path, kwargs))

@@ -30,7 +30,7 @@ def server(tmp_path_factory):
     from trio_server.app import create_app
     from trio_server.core import Limits, ServiceCore
 
-    core = ServiceCore(tmp_path_factory.mktemp("tinker-core"), dtype="float32", limits=Limits(seq_gap_seconds=120))
+    core = ServiceCore(tmp_path_factory.mktemp("tinker-core"), dtype="float32", limits=Limits(seq_gap_seconds=3600))  # a stalled seq hangs, not hides
     server = ServerThread(create_app(core, auth=True))
     server.core = core
     yield server
@@ -168,6 +168,19 @@ def test_refusals_are_failed_futures_not_retryable_statuses(alice):
     assert alice.post("session_heartbeat", {}).status_code == 422
     unknown = alice.optim_step("sess-000000000000:train:9", 1)
     assert unknown.status_code == 200 and "not found" in alice.result(unknown.json()["request_id"]).json()["error"]
+
+
+def test_a_refused_call_keeps_its_place_in_its_run(alice):
+    """Refused by the door (no adam_params) or by the core (no such checkpoint), a call
+    still uses its seq_id: the next one runs without waiting for a gap to time out."""
+    _, model_id = alice.new_model()
+    no_adam = alice.post("optim_step", {"model_id": model_id, "seq_id": 1, "type": "optim_step"}).json()
+    missing = alice.post("load_weights", {"model_id": model_id, "seq_id": 2, "type": "load_weights",
+                                          "path": "tinker://run-0/weights/nope", "optimizer": False}).json()
+    step = alice.optim_step(model_id, 3).json()
+    assert "AdamW" in alice.result(no_adam["request_id"]).json()["error"]
+    assert "not found" in alice.result(missing["request_id"]).json()["error"]
+    assert alice.result(step["request_id"]).json()["metrics"]["step"] == 0.0  # no gradients yet
 
 
 def test_limits_fail_the_future_naming_the_limit(alice, server):
