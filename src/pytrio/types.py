@@ -203,10 +203,10 @@ class SamplingParams(_Model):
         max_tokens: the most tokens to generate. Required: the user docs always give it,
             and a silent default would cut samples short (or run long) unnoticed.
         temperature: 0 is greedy. top_k: -1 is off. top_p: 1 is off.
-        stop: strings or token ids that end a sequence, in addition to EOS
-            (``None`` and ``[]`` both mean EOS only).
+        stop: strings or token ids that end a sequence, in addition to EOS. ``None``
+            means EOS only; ``[]`` means no stop at all, not even EOS (tinker's meaning).
         ignore_eos: True keeps generating through EOS, to ``max_tokens`` or a ``stop``
-            (fixed-length rollouts, benchmarks).
+            (fixed-length rollouts, benchmarks); ``stop=[]`` implies it.
         seed: the same seed gives the same samples.
     """
 

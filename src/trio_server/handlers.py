@@ -141,7 +141,7 @@ def _sample(ctx: Context, batch: list[WorkItem]) -> list[Result]:
         stops = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
         config = SamplingConfig(
             max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
-            ignore_eos=p.ignore_eos,
+            ignore_eos=p.ignore_eos or p.stop == [],  # stop=[]: no stop at all, not even EOS
             stop_strings=tuple(s for s in stops if isinstance(s, str)),
             stop_token_ids=tuple(s for s in stops if isinstance(s, int)),
         )

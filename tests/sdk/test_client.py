@@ -269,7 +269,8 @@ def test_sample_needs_sampling_params(service):
 
 
 def test_ignore_eos_reaches_the_engine(local_core):
-    """``stop`` adds stop sequences to EOS; only ``ignore_eos=True`` turns EOS off."""
+    """``stop`` adds stop sequences to EOS; ``stop=[]`` (tinker's meaning) and
+    ``ignore_eos=True`` turn EOS off; ``stop=None`` keeps it."""
     from pytrio.transport.local import LocalTransport
 
     sampler = trio.ServiceClient(transport=LocalTransport(local_core)).create_sampling_client(base_model=MODEL)
@@ -283,12 +284,12 @@ def test_ignore_eos_reaches_the_engine(local_core):
     engine.sample = spy
     try:
         prompt = trio.ModelInput.from_ints(TOKENS[:3])
-        for params in (trio.SamplingParams(max_tokens=2, stop=[]),
+        for params in (trio.SamplingParams(max_tokens=2), trio.SamplingParams(max_tokens=2, stop=[]),
                        trio.SamplingParams(max_tokens=2, stop=["\n"], ignore_eos=True)):
             sampler.sample(prompt, 1, params).result()
     finally:
         del engine.sample
-    assert [(c.ignore_eos, c.stop_strings) for c in seen] == [(False, ()), (True, ("\n",))]
+    assert [(c.ignore_eos, c.stop_strings) for c in seen] == [(False, ()), (True, ()), (True, ("\n",))]
 
 
 @pytest.mark.parametrize("save", ["save_state", "save_weights_for_sampler"])
