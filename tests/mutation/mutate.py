@@ -111,7 +111,8 @@ def status_checked(names: list[str], status: dict[str, str]) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report-only", action="store_true", help="print the last run's scores")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    # twice the cores: mutants that stall a queue sleep until their timeout
+    parser.add_argument("--jobs", type=int, default=2 * (os.cpu_count() or 1))
     args = parser.parse_args()
     if not args.report_only:
         run_mutmut(args.jobs)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 import pytrio as trio
 from pytrio.transport.local import LocalTransport
 from trio_server.core import Limits, ServiceCore
@@ -82,11 +84,37 @@ def test_old_futures_leave_memory_but_stay_retrievable(tmp_path, monkeypatch):
     transport = svc._session.transport
     first = run_sync(transport.submit("get_info", {"model_id": tc.model_id}, "key-1"))
     want = run_sync(transport.retrieve(first, 10))
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3]})
+    body = {"model_id": tc.model_id, "seq": 0, "data": [datum.model_dump()], "loss_fn": "gspo"}
+    failing = run_sync(transport.submit("forward", body, None))
+    failed = run_sync(transport.retrieve(failing, 10))
+    assert failed.status == "failed" and failed.error.category == "validation" and "gspo" in failed.error.message
     for _ in range(4):
         tc.get_info()
-    assert first not in core.futures  # forgotten in memory
+    assert first not in core.futures and failing not in core.futures  # forgotten in memory
     assert run_sync(transport.retrieve(first, 10)) == want  # the store still answers
+    again = run_sync(transport.retrieve(failing, 10))  # errors too (but the store keeps no status code)
+    assert (again.status, again.error.category, again.error.message) == ("failed", "validation", failed.error.message)
     assert run_sync(transport.submit("get_info", {"model_id": tc.model_id}, "key-1")) == first  # still idempotent
+    core.close()
+
+
+def test_a_request_left_pending_by_another_process_reads_as_failed(tmp_path):
+    """A store row still pending with no future here was queued in a process that is
+    gone (or another server on the same store): it cannot finish, so it reads as failed."""
+    from pytrio import types as t
+    from pytrio.futures import run_sync
+    from trio_server.errors import RESTART_MESSAGE
+    from trio_server.store import now, requests
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    transport = LocalTransport(core)
+    core.store.insert(requests, request_id="req-elsewhere", user_id="local", op="get_info", run_id=None,
+                      seq=None, status="pending", idempotency_key=None, created_at=now())
+    state = run_sync(transport.retrieve("req-elsewhere", 0))
+    assert (state.status, state.error) == ("failed", t.ErrorInfo(category="server", message=RESTART_MESSAGE))
+    with pytest.raises(trio.NotFoundError, match="req-nowhere"):
+        run_sync(transport.retrieve("req-nowhere", 0))
     core.close()
 
 
@@ -124,7 +152,7 @@ def test_concurrent_retries_with_one_key_run_once(tmp_path):
 def test_a_refused_call_keeps_its_place_so_the_next_call_does_not_wait(tmp_path):
     """A call the core refuses after its run and seq are known (a bad body, a missing
     checkpoint) still uses its seq: the run's next call runs, with no gap to wait out."""
-    import pytest
+
 
     from pytrio.futures import run_sync
     from trio_server.errors import ServiceError
@@ -143,4 +171,32 @@ def test_a_refused_call_keeps_its_place_so_the_next_call_does_not_wait(tmp_path)
     assert run_sync(svc._session.transport.retrieve(step, 60)).status == "done"
     with pytest.raises(ServiceError, match="already used"):  # the refused seq is spent
         core.submit("local", "optim_step", {"model_id": run_id, "seq": 0, "adam_params": {}})
+    core.close()
+
+
+def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
+    """retrieve(timeout=0) of a request not done yet: "running", or "queued (position n)"
+    with n its place by arrival among the waiting requests."""
+    from pytrio import types as t
+    from pytrio.futures import run_sync
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    svc = trio.ServiceClient(transport=LocalTransport(core))
+    runs = [svc.create_lora_training_client(base_model=MODEL, rank=2, seed=k).model_id for k in range(3)]
+    transport = svc._session.transport
+    toks = list(range(1, 9))
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+    worker = core.workers[MODEL]
+
+    def forward(run_id):
+        return run_sync(transport.submit("forward", t.ForwardRequest(model_id=run_id, seq=0, data=[datum]), None))
+
+    with worker.engine.host.lock:  # the first forward runs and blocks; the others wait behind it
+        ids = [forward(runs[0])]
+        wait_until(lambda: bool(worker.running), "the first forward to run")
+        ids += [forward(run_id) for run_id in runs[1:]]
+        states = [run_sync(transport.retrieve(rid, 0)) for rid in ids]
+    assert [(s.status, s.queue_state) for s in states] == [
+        ("pending", "running"), ("pending", "queued (position 1)"), ("pending", "queued (position 2)")]
+    assert all(run_sync(transport.retrieve(rid, 60)).status == "done" for rid in ids)
     core.close()
