@@ -200,3 +200,29 @@ def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
         ("pending", "running"), ("pending", "queued (position 1)"), ("pending", "queued (position 2)")]
     assert all(run_sync(transport.retrieve(rid, 60)).status == "done" for rid in ids)
     core.close()
+
+
+def test_a_submit_that_loses_the_idempotency_race_returns_the_winner_and_leaves_no_trace(tmp_path):
+    """Two submits with one key (two server processes on one store) both pass the key
+    check; the store's unique key lets one insert win. The loser answers the winner's id
+    and forgets its own request (future, owner, key); other keys are untouched."""
+    from trio_server.store import requests
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    earlier = core.submit("local", "get_info", {"model_id": tc.model_id}, "k0")
+    real_insert, losers = core.store.insert, []
+
+    def racing_insert(table, **row):
+        if table is requests and row.get("idempotency_key") == "k1":
+            core.store.insert = real_insert
+            losers.append(row["request_id"])
+            real_insert(table, **{**row, "request_id": "req-winner"})  # the other submit lands first
+        return real_insert(table, **row)
+
+    core.store.insert = racing_insert
+    assert core.submit("local", "get_info", {"model_id": tc.model_id}, "k1") == "req-winner"
+    assert losers and losers[0] not in core.futures and losers[0] not in core.owners
+    assert ("local", "k1") not in core.idempotency and core.idempotency[("local", "k0")] == earlier
+    assert core._queue_state("req-winner") == "running"  # no worker holds it: taken, finishing
+    core.close()
