@@ -111,3 +111,54 @@ def test_inference_cast_cache_follows_updates():
         want = base(x) + (x @ layer.lora_A["a"].to(torch.bfloat16).T) @ layer.lora_B["a"].to(torch.bfloat16).T
     assert not torch.equal(before, after)
     torch.testing.assert_close(after, want, atol=1e-2, rtol=1e-2)
+
+
+def test_new_adapter_is_initialised_like_peft():
+    """PEFT's default: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0,
+    fp32 leaves that train; scale alpha / rank."""
+    layer = LoRALinear(torch.nn.Linear(64, 10), Routing())
+    layer.add("a", rank=8, scale=LORA_ALPHA / 8, gen=torch.Generator().manual_seed(0))
+    a, b = layer.lora_A["a"], layer.lora_B["a"]
+    bound = 1 / 64**0.5
+    assert a.shape == (8, 64) and b.shape == (10, 8)
+    assert a.dtype == b.dtype == torch.float32 and a.requires_grad and b.requires_grad
+    assert float(a.abs().max()) <= bound and float(a.abs().max()) > 0.95 * bound  # 512 draws fill U(-b, b)
+    assert abs(float(a.mean())) < 0.1 * bound and float(a.min()) < -0.9 * bound
+    assert torch.count_nonzero(b) == 0
+    assert layer.scales["a"] == LoraConfig(rank=8).scale == LORA_ALPHA / 8
+
+
+def test_removing_an_adapter_drops_its_weights_and_casts_only():
+    routing = Routing()
+    layer = LoRALinear(torch.nn.Linear(6, 4), routing)
+    for aid in ("a", "b"):
+        layer.add(aid, rank=2, scale=1.0, gen=torch.Generator().manual_seed(0))
+    x = torch.randn(1, 3, 6, dtype=torch.bfloat16)
+    layer.base.to(torch.bfloat16)
+    with torch.no_grad(), routing.use([("a", None), ("b", None)]):
+        layer(x)  # fills the bf16 cast cache for both adapters
+    kept = {k for k in layer._casts if k[0] in (id(layer.lora_A["b"]), id(layer.lora_B["b"]))}
+    assert len(kept) == 2 and len(layer._casts) == 4
+    layer.remove("a")
+    assert list(layer.lora_A) == list(layer.lora_B) == list(layer.scales) == ["b"]
+    assert set(layer._casts) == kept
+
+
+def test_segments_group_rows_by_adapter():
+    from trio_engine.lora import segments
+
+    def plain(segs):
+        return [(a, None if rows is None else rows.tolist()) for a, rows in segs]
+
+    assert plain(segments(["a", "a"])) == [("a", None)]  # every row: no index needed
+    assert plain(segments(["a", None])) == [("a", [0])]  # row 1 runs the base model
+    assert plain(segments(["a", "b", "a"])) == [("a", [0, 2]), ("b", [1])]
+    assert plain(segments([None, None])) == []
+
+
+def test_rank_bounds():
+    from trio_engine.lora import MAX_RANK
+
+    assert LoraConfig(rank=1).rank == 1 and LoraConfig(rank=MAX_RANK).rank == MAX_RANK
+    with pytest.raises(ValueError, match=f"rank: must be an integer in \\[1, {MAX_RANK}\\], got {MAX_RANK + 1}"):
+        LoraConfig(rank=MAX_RANK + 1)
