@@ -226,3 +226,37 @@ def test_a_submit_that_loses_the_idempotency_race_returns_the_winner_and_leaves_
     assert ("local", "k1") not in core.idempotency and core.idempotency[("local", "k0")] == earlier
     assert core._queue_state("req-winner") == "running"  # no worker holds it: taken, finishing
     core.close()
+
+
+def test_a_restart_fails_in_flight_requests_drops_ephemeral_weights_and_resumes_seqs(tmp_path):
+    from pytrio import types as t
+    from pytrio.futures import run_sync
+    from trio_server.errors import RESTART_MESSAGE
+    from trio_server.store import checkpoints, now, requests
+
+    before = ServiceCore(tmp_path, dtype="float32")
+    tc = trio.ServiceClient(transport=LocalTransport(before)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc.save_weights_and_get_sampling_client()  # unnamed: ephemeral weights
+    (row,) = before.store.select(checkpoints, kind="ephemeral")
+    folder = before.checkpoint_dir(row["run_id"], row["kind"], row["name"])
+    assert folder.exists()
+    before.store.insert(requests, request_id="req-in-flight", user_id="local", op="optim_step", run_id=tc.model_id,
+                        seq=5, status="pending", idempotency_key=None, created_at=now())
+    before.close()
+
+    after = ServiceCore(tmp_path, dtype="float32")
+    state = run_sync(LocalTransport(after).retrieve("req-in-flight", 0))
+    assert (state.status, state.error) == ("failed", t.ErrorInfo(category="server", message=RESTART_MESSAGE))
+    assert after.store.select(checkpoints, kind="ephemeral") == [] and not folder.exists()
+    assert after.next_seq[tc.model_id] == 6  # past every seq the store has seen, not the run's next_seq (1)
+    after.close()
+
+
+def test_a_recently_used_run_is_not_offloaded(tmp_path):
+    core = ServiceCore(tmp_path, dtype="float32", idle_offload_seconds=3600)
+    tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
+    worker = core.workers[MODEL]
+    worker._offload_idle()  # the worker calls it when idle; here at once
+    assert tc.model_id in worker.last_used and tc.model_id in worker.engine.host.adapters
+    core.close()  # (test_idle_runs_move_to_disk_and_come_back_unchanged: after the window, it goes)
