@@ -162,3 +162,22 @@ def test_rank_bounds():
     assert LoraConfig(rank=1).rank == 1 and LoraConfig(rank=MAX_RANK).rank == MAX_RANK
     with pytest.raises(ValueError, match=f"rank: must be an integer in \\[1, {MAX_RANK}\\], got {MAX_RANK + 1}"):
         LoraConfig(rank=MAX_RANK + 1)
+
+
+def test_install_wraps_only_the_target_linears():
+    from trio_engine.lora import install
+
+    model = torch.nn.ModuleDict({"q_proj": torch.nn.Linear(4, 4), "score": torch.nn.Linear(4, 2),
+                                 "lm_head": torch.nn.Linear(4, 9), "norm": torch.nn.LayerNorm(4)})
+    install(model)
+    assert {name for name, m in model.items() if isinstance(m, LoRALinear)} == {"q_proj", "lm_head"}
+
+
+def test_deleting_an_adapter_removes_it_from_every_layer(tiny_host, new_id):
+    from trio_engine.lora import adapter_tensors
+
+    keep, gone = new_id(), new_id()
+    for aid in (keep, gone):
+        tiny_host.create_adapter(aid, LoraConfig(rank=2))
+    tiny_host.delete_adapter(gone)
+    assert adapter_tensors(tiny_host.model, gone) == {} and adapter_tensors(tiny_host.model, keep)
