@@ -81,5 +81,21 @@ def test_step_without_gradients_changes_nothing(tiny_host, new_id):
     tiny_host.create_adapter(aid, LoraConfig(rank=2))
     before = {k: v.clone() for k, v in tiny_host.adapter_params(aid).items()}
     metrics = tiny_host.optim_step(aid, AdamConfig(learning_rate=0.1, weight_decay=0.5))
-    assert metrics["step"] == 0 and metrics["grad_norm"] == 0
+    assert metrics == {"grad_norm": 0.0, "learning_rate": 0.1, "step": 0.0}
     assert all(torch.equal(before[k], v) for k, v in tiny_host.adapter_params(aid).items())
+
+
+def test_clipping_tiny_gradients_matches_torch():
+    """clip_grad_norm_ scales by max_norm / (norm + 1e-6): at norms near 1e-6 the epsilon
+    dominates. A large Adam eps makes the step linear in the clipped gradient, so the
+    weights show the scale (float64, so rounding does not hide it)."""
+    gen = torch.Generator().manual_seed(1)
+    ours = {"w": torch.randn(4, 3, generator=gen, dtype=torch.float64)}
+    ref = {k: v.clone().requires_grad_(True) for k, v in ours.items()}
+    grad = torch.randn(4, 3, generator=gen, dtype=torch.float64) * 1e-6
+    ours["w"].grad, ref["w"].grad = grad.clone(), grad.clone()
+    cfg = AdamConfig(learning_rate=1e-2, beta1=0.9, beta2=0.99, eps=1e-3, grad_clip_norm=1e-6)
+    adamw_step(ours, AdamState(), cfg)
+    torch.nn.utils.clip_grad_norm_(ref.values(), 1e-6)
+    torch.optim.AdamW(ref.values(), lr=1e-2, betas=(0.9, 0.99), eps=1e-3, weight_decay=0.0).step()
+    torch.testing.assert_close(ours["w"], ref["w"].detach(), atol=1e-13, rtol=0)
