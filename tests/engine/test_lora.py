@@ -59,11 +59,16 @@ def test_bad_config(kwargs, field):
         LoraConfig(**kwargs)
 
 
-def test_targets_follow_flags(tiny_host, new_id):
+@pytest.mark.parametrize("flags, want", [
+    (dict(train_attn=False, train_unembed=False), {"gate_proj", "up_proj", "down_proj"}),
+    (dict(train_mlp=False, train_unembed=False), {"q_proj", "k_proj", "v_proj", "o_proj"}),
+    (dict(train_attn=False, train_mlp=False), {"lm_head"}),
+])
+def test_targets_follow_flags(tiny_host, new_id, flags, want):
     aid = new_id()
-    tiny_host.create_adapter(aid, LoraConfig(rank=2, train_attn=False, train_unembed=False))
+    tiny_host.create_adapter(aid, LoraConfig(rank=2, **flags))
     names = {k.rsplit(".", 2)[-2] for k in tiny_host.adapter_params(aid)}
-    assert names == {"gate_proj", "up_proj", "down_proj"}
+    assert names == want
 
 
 def test_one_base_copy_for_many_adapters(tiny_host, new_id):
