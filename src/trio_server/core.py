@@ -225,8 +225,9 @@ class ServiceCore:
         run_id, seq = field("model_id"), field("seq")
         if not isinstance(run_id, str) or type(seq) is not int:
             return None
-        run = self.store.get(runs_table, run_id=run_id)
-        if run is None or run["user_id"] != user_id:
+        try:
+            run = self._run(user_id, run_id)
+        except ServiceError:  # not this user's run: nothing to hold
             return None
         item = WorkItem(request_id="req-" + secrets.token_hex(8), op="rejected", request=None,
                         user_id=user_id, run_id=run_id, seq=seq)
