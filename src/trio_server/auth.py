@@ -2,7 +2,9 @@
 
 Requests carry the key as ``Authorization: Bearer <key>`` (or ``X-API-Key``). Every
 route except health needs one. ``--no-auth`` (localhost development only) maps every
-request to one shared user.
+request to one shared user: the embedded service's user (pytrio's LocalTransport), so
+``trio serve --no-auth --data-dir ~/.cache/trio/embedded`` serves what an in-process
+program trained (`make demo` ends with that command).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from fastapi import Request
 from .errors import ServiceError
 from .store import Store
 
-ANONYMOUS = "anonymous"
+ANONYMOUS = "local"  # = pytrio.transport.local.LOCAL_USER (trio_server may not import it)
 
 
 def api_key_from(request: Request) -> str | None:
