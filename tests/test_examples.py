@@ -98,3 +98,14 @@ def test_sft_example_over_http_matches_in_process(engine, sft_embedded, tmp_path
 def test_rl_example_runs(tmp_path):
     out = run_example("rl.py", tmp_path, TRIO_RL_ITERATIONS="2")
     assert len(re.findall(r"Iter\d+ \| Reward", out)) == 2 and out.count("Q: ") == 4, out
+
+
+@pytest.mark.slow
+def test_demo_teaches_the_fact(tmp_path):
+    """`make demo`: the fine-tuned model gives the taught answer, the base model does not,
+    and the printed next step names the checkpoint it saved."""
+    out = run_example("demo.py", tmp_path)
+    taught = "trio is emotionmachine's AI Infra products."
+    assert f"fine-tuned: {taught!r}" in out and f"base model: {taught!r}" not in out, out
+    path = re.search(r'"model": "(trio://[^"]+/sampler_weights/what-is-trio)"', out)
+    assert path and (tmp_path / "embedded" / "trio.db").exists(), out
