@@ -2,6 +2,7 @@
 
     pytrio (SDK, no torch) --local transport only--> trio_server --Engine--> trio_engine
     trio_server may use pytrio.types and pytrio.errors: the wire types shared with the SDK.
+    trio_cli (the ``trio`` entry point) sits above all three; none of them imports it.
 
 The import graph is built with ``ast`` from every ``import`` statement under src/,
 wherever it sits: module level, inside a function (a lazy import is still a
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
-PACKAGES = ("pytrio", "trio_server", "trio_engine")
+PACKAGES = ("pytrio", "trio_server", "trio_engine", "trio_cli")
 
 Graph = dict[str, set[str]]
 
@@ -176,6 +177,10 @@ RULES: dict[str, tuple[str, str, Callable[[str, str], bool], str]] = {
     "server-imports-only-wire-types-from-sdk": (
         "trio_server", "pytrio", lambda importer, target: target in {"pytrio.types", "pytrio.errors"},
         "the server shares only the wire types (pytrio.types, pytrio.errors) with the SDK"),
+    **{f"{layer}-imports-no-entry-point": (
+        layer, "trio_cli", lambda importer, target: False,
+        "the command line composes the layers; a layer that imported it would import them all")
+       for layer in ("pytrio", "trio_server", "trio_engine")},
 }
 
 

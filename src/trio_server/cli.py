@@ -1,7 +1,9 @@
-"""The ``trio`` command: ``trio serve``, ``trio keys create``, ``trio tokenizers install``.
+"""The service's ``trio`` commands: ``trio serve``, ``trio keys create``, ``trio tokenizers install``.
 
-It lives in the service package, not the SDK: it starts the server, and the SDK never
-imports the server (only ``pytrio.transport.local`` does, to run it in-process).
+They live in the service package, not the SDK: they start or administer the server, and
+the SDK never imports the server (only ``pytrio.transport.local`` does, to run it
+in-process). The ``trio`` entry point (``trio_cli``) puts them on one parser with the
+SDK's client commands (``pytrio.cli``); ``python -m trio_server.cli`` runs these alone.
 Flags exist only here; everything they set is a keyword argument of ``ServiceCore``.
 Heavy imports (uvicorn, the app, torch via the core) wait until a command runs, so
 ``trio --help`` is instant.
@@ -157,8 +159,12 @@ def install_tokenizer(catalog: object, name: str, cache: Path) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trio", description="TRIO post-training service")
-    sub = parser.add_subparsers(dest="command", required=True)
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
 
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``serve``, ``keys`` and ``tokenizers`` to the ``trio`` parser's subcommands ``sub``."""
     p = sub.add_parser("serve", help="run the HTTP service")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -197,7 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
                                        "else ~/.cache/huggingface/hub)")
     t.add_argument("models", nargs="*", help="model names (default: every model available here)")
     t.set_defaults(func=tokenizers_install)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:

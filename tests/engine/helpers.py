@@ -85,3 +85,44 @@ def randomize_adapter(host, adapter_id: str, seed: int, scale: float = 0.05) -> 
         for k, p in host.adapter_params(adapter_id).items():
             if k.endswith("lora_B"):
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def tiny_tied_folder(folder, dtype=torch.float32, seed: int = 1, generation: dict | None = None):
+    """A tiny random Llama whose ``lm_head`` is tied to ``embed_tokens`` (as SmolLM2's is),
+    saved as a Hugging Face folder with the bundled model's tokenizer, for ``Catalog.add_folder``.
+    ``generation``: fields of a generation_config.json to ship with it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from trio_engine.catalog import load_tokenizer
+
+    tokenizer = load_tokenizer(Catalog().resolve("trio/tiny-llama"))
+    config = AutoConfig.for_model(
+        "llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    if generation is not None:
+        GenerationConfig(**generation).save_pretrained(folder)
+    return folder
+
+
+def random_adapter_folder(folder, model, base_model: str, config, seed: int = 0, scale: float = 0.05):
+    """A PEFT sampler-weights folder of random A and B (both non-zero) for every layer of
+    ``model`` that ``config`` targets; returns the tensors ("<module>.lora_A" / "lora_B")."""
+    from trio_engine.checkpoint import save_peft_adapter
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in config.targets():
+            weights[f"{name}.lora_A"] = torch.randn(config.rank, module.in_features, generator=gen) * scale
+            weights[f"{name}.lora_B"] = torch.randn(module.out_features, config.rank, generator=gen) * scale
+    save_peft_adapter(folder, weights, config, base_model)
+    return weights
