@@ -111,9 +111,11 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
         archive = core.checkpoint_archive(user(request), path)
         return FileResponse(archive, media_type="application/x-tar", filename=archive.name)
 
+    from .openai_api import create_router as openai_router  # OpenAI-compatible inference, same core
     from .tinker_api import create_router  # the tinker 0.38 wire protocol, over the same core
 
     app.include_router(create_router(core, auth), prefix="/tinker")
+    app.include_router(openai_router(core, auth), prefix="/openai")
     return app
 
 
