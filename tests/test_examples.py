@@ -101,11 +101,26 @@ def test_rl_example_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_teaches_the_fact(tmp_path):
-    """`make demo`: the fine-tuned model gives the taught answer, the base model does not,
-    and the printed next step names the checkpoint it saved."""
+def test_demo_teaches_the_fact_and_its_next_step_serves_it(tmp_path):
+    """`make demo`: the fine-tuned model gives the taught answer and the base model does
+    not; then the serve command it prints, run as printed on the embedded data dir,
+    answers the printed OpenAI request with the taught answer."""
+    import openai
+
+    from .sdk.conftest import ServeProcess
+
     out = run_example("demo.py", tmp_path)
     taught = "trio is emotionmachine's AI Infra products."
     assert f"fine-tuned: {taught!r}" in out and f"base model: {taught!r}" not in out, out
+    serve = re.search(r"trio serve --no-auth --data-dir (\S+)", out)
     path = re.search(r'"model": "(trio://[^"]+/sampler_weights/what-is-trio)"', out)
-    assert path and (tmp_path / "embedded" / "trio.db").exists(), out
+    assert serve and path and serve[1] == str(tmp_path / "embedded"), out
+    server = ServeProcess(Path(serve[1]), "--no-auth")
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/openai/v1", api_key="unused")
+        reply = client.completions.create(model=path[1], prompt="Question: what is trio\nAnswer:",
+                                          max_tokens=24, temperature=0, stop=["\n"])
+    finally:
+        server.stop()
+    assert reply.choices[0].text.strip() == taught
