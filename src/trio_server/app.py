@@ -5,6 +5,7 @@
     GET  /api/v1/healthz              no key needed
     GET  /api/v1/capabilities, /tokenizer, /runs, /runs/{id}, /checkpoints
     /tinker/api/v1/...                the tinker SDK's routes (tinker_api.py)
+    /openai/v1/...                    OpenAI-compatible chat, completions, models (openai_api.py)
     DELETE /api/v1/checkpoints?path=  GET /api/v1/checkpoints/archive?path= (ranges)
 
 Errors are ``{"error": {"category", "message"}}`` with a 4xx/5xx status; malformed
