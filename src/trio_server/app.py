@@ -4,6 +4,8 @@
     POST /api/v1/retrieve_future      long poll (<= 30 s): done | failed | pending
     GET  /api/v1/healthz              no key needed
     GET  /api/v1/capabilities, /tokenizer, /runs, /runs/{id}, /checkpoints
+    GET  /api/v1/runs/{id}/metrics    the run's steps: [{step, metrics}]
+    POST /api/v1/runs/{id}/metrics    {step | null, metrics: {name: value}}: a client's own
     /tinker/api/v1/...                the tinker SDK's routes (tinker_api.py)
     DELETE /api/v1/checkpoints?path=  GET /api/v1/checkpoints/archive?path= (ranges)
 
@@ -96,6 +98,14 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
     @app.get("/api/v1/runs/{run_id}")
     def get_run(run_id: str, request: Request) -> t.TrainingRun:
         return core.get_run(user(request), run_id)
+
+    @app.get("/api/v1/runs/{run_id}/metrics")
+    def run_metrics(run_id: str, request: Request) -> list[t.StepMetrics]:
+        return core.run_metrics(user(request), run_id)
+
+    @app.post("/api/v1/runs/{run_id}/metrics")
+    def log_metrics(run_id: str, body: t.LogMetricsRequest, request: Request) -> t.LogMetricsResponse:
+        return core.log_metrics(user(request), run_id, body)
 
     @app.get("/api/v1/checkpoints")
     def list_checkpoints(request: Request, run_id: str | None = None) -> list[t.Checkpoint]:
