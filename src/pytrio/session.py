@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -21,7 +19,7 @@ from .errors import TimeoutError as TrioTimeoutError
 from .errors import TrioError, error_from_category, is_transient
 from .futures import on_background
 from .transport import Transport
-from .types import FutureResponse
+from .types import FutureResponse, load_tokenizer
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -114,26 +112,6 @@ class Session:
 
 
 def _load_tokenizer(files: dict[str, bytes]) -> Any:
-    # PreTrainedTokenizerFast, not AutoTokenizer: the latter imports torch when installed,
-    # and the SDK must stay torch-free. The server always ships a tokenizer.json.
-    from transformers import PreTrainedTokenizerFast
-
-    folder = Path(os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio") / "client-tokenizers" / _digest(files)
-    if not (folder / "tokenizer_config.json").exists():
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        for name, content in files.items():
-            (tmp / name).write_bytes(content)
-        try:
-            tmp.rename(folder)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    return PreTrainedTokenizerFast.from_pretrained(folder)
-
-
-def _digest(files: dict[str, bytes]) -> str:
-    """The cache key: every file's name and content, so any change gives a fresh folder."""
-    h = hashlib.sha256()
-    for name in sorted(files):
-        h.update(hashlib.sha256(name.encode()).digest() + hashlib.sha256(files[name]).digest())
-    return h.hexdigest()[:32]
+    """The client's copy of a tokenizer, cached under ``$TRIO_HOME/client-tokenizers``."""
+    home = Path(os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio")
+    return load_tokenizer(files, home / "client-tokenizers")

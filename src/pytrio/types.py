@@ -3,15 +3,20 @@
 User-facing types (``Datum``, ``ModelInput``, ``TensorData``, ``AdamParams``,
 ``SamplingParams`` and the responses) come first; the request/response envelopes of
 the protocol (``*Request``, ``FutureResponse``) follow. No torch here: ``TensorData``
-converts to and from torch only when asked, importing it lazily.
+converts to and from torch only when asked, importing it lazily; ``TokenizerFiles``
+becomes a tokenizer the same way (transformers, imported when asked).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import math
+import os
 import re
+import shutil
 from collections.abc import Generator
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -390,6 +395,43 @@ class TokenizerFiles(_Model):
 
     def contents(self) -> dict[str, bytes]:
         return {name: base64.b64decode(text) for name, text in self.files.items()}
+
+    def load(self, cache_dir: str | Path) -> Any:
+        """The Hugging Face fast tokenizer these files make, cached in a folder of
+        ``cache_dir`` named by their digest (see ``load_tokenizer``)."""
+        return load_tokenizer(self.contents(), cache_dir)
+
+
+def load_tokenizer(files: dict[str, bytes], cache_dir: str | Path) -> Any:
+    """A ``PreTrainedTokenizerFast`` from a tokenizer's files (name -> bytes).
+
+    The files are written once to ``cache_dir/<digest>`` (the digest covers every file's
+    name and content, so any change gives a fresh folder) and loaded from there. The SDK
+    and the server's OpenAI door both build their tokenizers here.
+    """
+    # PreTrainedTokenizerFast, not AutoTokenizer: the latter imports torch when installed,
+    # and the SDK must stay torch-free. The server always ships a tokenizer.json.
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(cache_dir) / _digest(files)
+    if not (folder / "tokenizer_config.json").exists():
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, content in files.items():
+            (tmp / name).write_bytes(content)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+def _digest(files: dict[str, bytes]) -> str:
+    """The cache key: every file's name and content, so any change gives a fresh folder."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(hashlib.sha256(name.encode()).digest() + hashlib.sha256(files[name]).digest())
+    return h.hexdigest()[:32]
 
 
 # --------------------------------------------------------------------------- protocol

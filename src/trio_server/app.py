@@ -137,9 +137,11 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
             raise ServiceError("not_found", f"console file {name!r} not found", 404)
         return FileResponse(CONSOLE_DIR / CONSOLE_FILES[name], headers=CONSOLE_HEADERS)
 
+    from .openai_api import create_router as openai_router  # OpenAI-compatible inference, same core
     from .tinker_api import create_router  # the tinker 0.38 wire protocol, over the same core
 
     app.include_router(create_router(core, auth), prefix="/tinker")
+    app.include_router(openai_router(core, auth), prefix="/openai")
     return app
 
 

@@ -453,6 +453,13 @@ class ServiceCore:
             tmp.rename(folder)
         return t.TokenizerFiles.of(base_model, files)
 
+    def context_length(self, base_model: str) -> int:
+        """The most tokens one sequence (prompt + sampled) may have on this base model: the
+        smaller of the model's own context and ``Limits.max_seq_len``. Loads the model."""
+        self._check_model(base_model)
+        info = self._worker(base_model).engine.load()
+        return min(int(info["max_seq_len"]), self.limits.max_seq_len)
+
     def list_runs(self, user_id: str) -> list[t.TrainingRun]:
         return [self._training_run(r) for r in self.store.select(runs_table, user_id=user_id, order_by="created_at")]
 

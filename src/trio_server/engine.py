@@ -206,8 +206,9 @@ class SnapshotWriter:
 class LocalEngine:
     """A ModelHost in this process (loaded on first use), behind the Engine protocol.
 
-    Only the worker thread calls it (and ``tokenizer_files`` from a request thread);
-    the snapshot writer is its own thread and takes the host's lock to read a run.
+    Only the worker thread calls it (and ``tokenizer_files`` and ``load``, which only read,
+    from a request thread); the snapshot writer is its own thread and takes the host's lock
+    to read a run.
     """
 
     def __init__(self, base_model: str, settings: EngineSettings, labels: dict[str, str] | None = None):

@@ -175,11 +175,26 @@ def test_console_end_to_end(server, browser, tmp_path):
     options = [o.get_attribute("value") for o in css("#pg-model option")]
     assert MODEL in options and sampler_path in options and state_path not in options
     Select(driver.find_element(By.ID, "pg-model")).select_by_value(sampler_path)
-    driver.find_element(By.ID, "pg-prompt").send_keys("Question: what is trio?\nAnswer:")
-    for field, value in (("pg-max-tokens", "8"), ("pg-n", "2"), ("pg-temperature", "0.7")):
-        box = driver.find_element(By.ID, field)
-        box.clear()
-        box.send_keys(value)
+    prompt = "Question: what is trio?\nAnswer:"
+    driver.find_element(By.ID, "pg-prompt").send_keys(prompt)
+
+    def fill(**fields: str) -> None:
+        for field, value in fields.items():
+            box = driver.find_element(By.ID, field)
+            box.clear()
+            box.send_keys(value)
+
+    # a request the server refuses shows the server's OpenAI-shaped error message
+    fill(**{"pg-max-tokens": "1000000"})
+    driver.find_element(By.ID, "pg-submit").click()
+    error = wait.until(ec.visibility_of_element_located((By.ID, "pg-error")))
+    refused = httpx.post(server.url + "/openai/v1/completions", headers={"Authorization": f"Bearer {server.key}"},
+                         json={"model": sampler_path, "prompt": prompt, "max_tokens": 1000000, "n": 1,
+                               "temperature": 1, "top_p": 1}, timeout=60)
+    assert refused.status_code == 400 and error.text == refused.json()["error"]["message"]
+    shot("playground-refused")
+
+    fill(**{"pg-max-tokens": "8", "pg-n": "2", "pg-temperature": "0.7"})
     driver.find_element(By.ID, "pg-submit").click()
     wait.until(lambda d: len(css("#pg-results li.completion")) == 2 or d.find_element(By.ID, "pg-error").is_displayed())
     assert not driver.find_element(By.ID, "pg-error").is_displayed(), driver.find_element(By.ID, "pg-error").text
