@@ -17,3 +17,15 @@ def test_the_distribution_does_not_take_the_name_of_the_trio_async_library():
     assert re.search(r'^trio = "trio_cli:main"$', PYPROJECT, re.M)
     # the dev extra installs this distribution's own extras, by its new name
     assert re.findall(r'"(trio[^"]*\[[^"]*\])"', PYPROJECT) == ["trio-platform[server,ray]"]
+
+
+def test_the_console_ships_with_the_wheel():
+    """Every file of the web console is package data of trio_server (else ``trio serve``
+    installed from the wheel would answer 404 at /console)."""
+    from fnmatch import fnmatch
+
+    line = re.search(r"^trio_server = \[(.*)\]$", PYPROJECT, re.M)[1]
+    globs = re.findall(r'"([^"]+)"', line)
+    console = Path(__file__).resolve().parent.parent / "src" / "trio_server" / "console"
+    files = [p.relative_to(console.parent).as_posix() for p in console.iterdir()]
+    assert len(files) == 3 and all(any(fnmatch(f, g) for g in globs) for f in files), (files, globs)

@@ -30,6 +30,7 @@ from .types import (
     EncodedTextChunk,
     ForwardBackwardOutput,
     LoadWeightsResponse,
+    LogMetricsResponse,
     ModelInput,
     OptimStepResponse,
     SampledSequence,
@@ -38,6 +39,7 @@ from .types import (
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     ServerCapabilities,
+    StepMetrics,
     TensorData,
     TrainingRun,
 )
@@ -46,8 +48,9 @@ APIFutureResult = APIFuture  # the name the user docs use
 
 __all__ = [
     "APIFuture", "APIFutureResult", "AdamParams", "AuthenticationError", "CapacityError", "Checkpoint",
-    "ConnectionError", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "LoadWeightsResponse", "ModelInput",
+    "ConnectionError", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "LoadWeightsResponse", "LogMetricsResponse",
+    "ModelInput",
     "NotFoundError", "OptimStepResponse", "RestClient", "SampleResponse", "SampledSequence", "SamplingClient",
     "SamplingParams", "SaveWeightsForSamplerResponse", "SaveWeightsResponse", "ServerCapabilities", "ServerError",
-    "ServiceClient", "TensorData", "TimeoutError", "TrainingClient", "TrainingRun", "TrioError", "ValidationError",
+    "ServiceClient", "StepMetrics", "TensorData", "TimeoutError", "TrainingClient", "TrainingRun", "TrioError", "ValidationError",
 ]

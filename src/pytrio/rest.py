@@ -22,6 +22,16 @@ class RestClient:
     async def get_training_run_async(self, run_id: str) -> t.TrainingRun:
         return await on_background(self._transport.get_run(run_id))
 
+    async def get_run_metrics_async(self, run_id: str) -> list[t.StepMetrics]:
+        """The run's steps in order, each ``StepMetrics(step, metrics)``: what the service
+        recorded (``loss``, ``tokens``, the loss's ``<name>:mean``, ``grad_norm``,
+        ``learning_rate``) merged with what ``TrainingClient.log_metrics`` added.
+
+        Raises:
+            NotFoundError: no such run of yours.
+        """
+        return await on_background(self._transport.run_metrics(run_id))
+
     async def list_checkpoints_async(self, run_id: str) -> list[t.Checkpoint]:
         """Checkpoints of one run."""
         return await on_background(self._transport.list_checkpoints(run_id))
@@ -42,6 +52,7 @@ class RestClient:
 
     list_training_runs = sync_twin(list_training_runs_async)
     get_training_run = sync_twin(get_training_run_async)
+    get_run_metrics = sync_twin(get_run_metrics_async)
     list_checkpoints = sync_twin(list_checkpoints_async)
     list_user_checkpoints = sync_twin(list_user_checkpoints_async)
     delete_checkpoint = sync_twin(delete_checkpoint_async)

@@ -5,6 +5,7 @@ Pure of I/O details: the transport moves the bytes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -44,6 +45,16 @@ class Session:
     async def result(self, request_id: str, result_type: type[R]) -> R:
         """Wait for the outcome of a submitted request."""
         return await on_background(self._result(request_id, result_type))
+
+    async def settled(self, request_id: str) -> None:
+        """Wait until a submitted request has finished, done or failed: its outcome
+        (and any error in getting it) is for its own caller, not for this wait."""
+        async def wait() -> None:
+            while (await self._retrieve(request_id)).status == "pending":
+                pass
+
+        with contextlib.suppress(TrioError):
+            await on_background(wait())
 
     async def _call(self, op: str, request: BaseModel, result_type: type[R]) -> R:
         request_id = await self._submit(op, request.model_dump(mode="json"))

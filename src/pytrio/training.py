@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import types as t
 from .errors import ValidationError, validated
-from .futures import APIFuture, async_twin, run_sync, schedule, sync_twin
+from .futures import APIFuture, async_twin, on_background, run_sync, schedule, sync_twin
 from .ordering import SubmitOrder, Ticket
 from .sampling import SamplingClient, new_sampling_client
 from .session import Session
@@ -39,6 +39,7 @@ class TrainingClient:
         self.base_model = base_model
         self._order = SubmitOrder()
         self._in_loss_fn = threading.local()  # set in the thread running a custom loss_fn
+        self._last_sent: str | None = None  # request id of the newest call sent (log_metrics waits for it)
 
     def __repr__(self) -> str:
         return f"TrainingClient(model_id={self.model_id!r}, base_model={self.base_model!r})"
@@ -66,7 +67,8 @@ class TrainingClient:
         try:
             await ticket.turn()
             request.seq = ticket.number()
-            return await self._session.submit(op, request)
+            self._last_sent = await self._session.submit(op, request)
+            return self._last_sent
         finally:
             ticket.release()
 
@@ -195,6 +197,47 @@ class TrainingClient:
         return self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsForSamplerResponse,
                             name=name, kind="sampler_weights", overwrite=overwrite)
 
+    def log_metrics(
+        self, metrics: Mapping[str, float], step: int | None = None
+    ) -> APIFuture[t.LogMetricsResponse]:
+        """Record your own metrics for a step of this run, e.g. an RL loop's mean reward.
+
+        They are stored beside the service's (``loss``, ``tokens``, ``grad_norm``, ...);
+        ``RestClient.get_run_metrics`` and the web console show them all.
+
+        Args:
+            metrics: name -> finite number (numpy and 0-d torch scalars are fine). A
+                name the service also records (``loss``, say) shows your value instead.
+            step: the step to record at. None: the run's step (its optim_steps so far)
+                once every call made before this one on this client has run; so
+                ``optim_step(...)`` then ``log_metrics(...)`` records at the new step,
+                without waiting for the step in between.
+        Returns:
+            A future of ``LogMetricsResponse`` (``.step``: where they were recorded).
+        Raises:
+            ValidationError: an empty name or a value that is not a finite number, named
+                with its value, at call time; nothing is sent.
+
+        Example:
+            >>> training_client.log_metrics({"reward": 0.75})
+        """
+        if isinstance(metrics, Mapping):  # scalars of numpy and torch: as python numbers
+            metrics = {k: _scalar(v) for k, v in metrics.items()}
+        request = validated(t.LogMetricsRequest, step=step, metrics=metrics)
+        ticket = self._take("log_metrics (with step=None)")[0] if step is None else None
+        return schedule(self._log_metrics(request, ticket))
+
+    async def _log_metrics(self, request: t.LogMetricsRequest, ticket: Ticket | None) -> t.LogMetricsResponse:
+        if ticket is not None:  # the current step: once the calls made before this one have run
+            try:
+                await ticket.turn()
+                last = self._last_sent
+            finally:
+                ticket.release()  # takes no number: the next call goes at once
+            if last is not None:  # the run executes in order: the newest call finishing is all of them
+                await self._session.settled(last)
+        return await on_background(self._session.transport.log_metrics(self.model_id, request))
+
     forward_async = async_twin(forward)
     forward_backward_async = async_twin(forward_backward)
     forward_backward_custom_async = async_twin(forward_backward_custom)
@@ -203,6 +246,7 @@ class TrainingClient:
     load_state_async = async_twin(load_state)
     load_state_with_optimizer_async = async_twin(load_state_with_optimizer)
     save_weights_for_sampler_async = async_twin(save_weights_for_sampler)
+    log_metrics_async = async_twin(log_metrics)
 
     # -- value-returning operations ----------------------------------------------------
 
@@ -242,3 +286,14 @@ class TrainingClient:
         """The base model's Hugging Face tokenizer (files come from the service)."""
         return run_sync(self.get_tokenizer_async())
 
+
+def _scalar(value: Any) -> Any:
+    """A numpy or 0-d torch scalar as the python number it holds; anything else as is
+    (for validation to accept or name)."""
+    item = getattr(value, "item", None)
+    if not callable(item) or isinstance(value, str | bytes):
+        return value
+    try:
+        return item()
+    except (ValueError, RuntimeError):  # an array of several values: validation names it
+        return value

@@ -17,10 +17,19 @@ import re
 import shutil
 from collections.abc import Generator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -338,6 +347,39 @@ class TrainingRun(_Model):
     last_request_at: str | None = None
     step: int = 0
     checkpoints: list[Checkpoint] = Field(default_factory=list)
+
+
+MetricName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+# Strict: true and "1.5" are not numbers; ints are. Finite: a chart cannot draw NaN.
+MetricValue = Annotated[float, Strict(), AllowInfNan(False)]
+MAX_METRICS_PER_CALL = 256
+
+
+class StepMetrics(_Model):
+    """One training step's metrics. Step k is optim_step k with the forward_backward
+    calls since step k-1. The service records ``loss`` (the step's ``loss:sum`` over the
+    sum of its datums' weights), ``tokens``, the loss function's ``<name>:mean`` metrics
+    (averaged over the step's tokens of non-zero weight), ``grad_norm`` and
+    ``learning_rate``; ``log_metrics`` adds the client's own (a client value of a name
+    hides the service's)."""
+
+    step: int
+    metrics: dict[str, float]
+
+
+class LogMetricsRequest(_Model):
+    """``POST /api/v1/runs/{run_id}/metrics``: a client's metrics for one step.
+
+    ``step`` None: the run's current step (its number of optim_steps so far).
+    """
+
+    step: Annotated[int, Strict()] | None = Field(default=None, ge=0)
+    metrics: dict[MetricName, MetricValue] = Field(min_length=1, max_length=MAX_METRICS_PER_CALL)
+
+
+class LogMetricsResponse(_Model):
+    run_id: str
+    step: int  # where the metrics were recorded (the current step, when none was given)
 
 
 class TokenizerFiles(_Model):

@@ -4,9 +4,12 @@
     POST /api/v1/retrieve_future      long poll (<= 30 s): done | failed | pending
     GET  /api/v1/healthz              no key needed
     GET  /api/v1/capabilities, /tokenizer, /runs, /runs/{id}, /checkpoints
+    GET  /api/v1/runs/{id}/metrics    the run's steps: [{step, metrics}]
+    POST /api/v1/runs/{id}/metrics    {step | null, metrics: {name: value}}: a client's own
     /tinker/api/v1/...                the tinker SDK's routes (tinker_api.py)
     /openai/v1/...                    OpenAI-compatible chat, completions, models (openai_api.py)
     DELETE /api/v1/checkpoints?path=  GET /api/v1/checkpoints/archive?path= (ranges)
+    GET  /console                     the web console (static; its calls carry the key)
 
 Errors are ``{"error": {"category", "message"}}`` with a 4xx/5xx status; malformed
 JSON and wrong types get a 4xx naming the field, never a 500.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +37,12 @@ log = logging.getLogger("trio.server")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 PUBLIC_PATHS = {"/api/v1/healthz"}
+CONSOLE_DIR = Path(__file__).parent / "console"
+CONSOLE_FILES = {"": "index.html", "console.js": "console.js", "console.css": "console.css"}
+# The console loads nothing from elsewhere; this keeps it so (and any injected script out).
+CONSOLE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; "
+                   "frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+                   "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
 
 
 def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
@@ -98,6 +108,14 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
     def get_run(run_id: str, request: Request) -> t.TrainingRun:
         return core.get_run(user(request), run_id)
 
+    @app.get("/api/v1/runs/{run_id}/metrics")
+    def run_metrics(run_id: str, request: Request) -> list[t.StepMetrics]:
+        return core.run_metrics(user(request), run_id)
+
+    @app.post("/api/v1/runs/{run_id}/metrics")
+    def log_metrics(run_id: str, body: t.LogMetricsRequest, request: Request) -> t.LogMetricsResponse:
+        return core.log_metrics(user(request), run_id, body)
+
     @app.get("/api/v1/checkpoints")
     def list_checkpoints(request: Request, run_id: str | None = None) -> list[t.Checkpoint]:
         return core.list_checkpoints(user(request), run_id)
@@ -111,6 +129,14 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
     def checkpoint_archive(path: str, request: Request) -> FileResponse:
         archive = core.checkpoint_archive(user(request), path)
         return FileResponse(archive, media_type="application/x-tar", filename=archive.name)
+
+    @app.get("/console", include_in_schema=False)
+    @app.get("/console/{name}", include_in_schema=False)
+    def console(name: str = "") -> FileResponse:
+        """The web console's files: static, so no key is needed to load them."""
+        if name not in CONSOLE_FILES:
+            raise ServiceError("not_found", f"console file {name!r} not found", 404)
+        return FileResponse(CONSOLE_DIR / CONSOLE_FILES[name], headers=CONSOLE_HEADERS)
 
     from .openai_api import create_router as openai_router  # OpenAI-compatible inference, same core
     from .tinker_api import create_router  # the tinker 0.38 wire protocol, over the same core

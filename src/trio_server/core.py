@@ -475,6 +475,24 @@ class ServiceCore:
             checkpoints=self.list_checkpoints(row["user_id"], row["run_id"]),
         )
 
+    def log_metrics(self, user_id: str, run_id: str, body: Any) -> t.LogMetricsResponse:
+        """Record a client's metrics for one step of its run (``step`` None: the run's
+        current step). Validated first, then the run's owner checked: nothing is
+        recorded for a bad body or another user's run."""
+        try:
+            req = body if isinstance(body, t.LogMetricsRequest) else t.LogMetricsRequest.model_validate(body)
+        except pydantic.ValidationError as exc:
+            raise ServiceError("validation", describe_validation_error(exc), 422) from None
+        run = self._run(user_id, run_id)
+        step = run["step"] if req.step is None else req.step
+        self.store.put_metrics(run_id, step, "client", req.metrics)
+        return t.LogMetricsResponse(run_id=run_id, step=step)
+
+    def run_metrics(self, user_id: str, run_id: str) -> list[t.StepMetrics]:
+        """The run's steps in order, each with the service's and the client's metrics."""
+        self._run(user_id, run_id)
+        return [t.StepMetrics(step=step, metrics=metrics) for step, metrics in self.store.run_metrics(run_id)]
+
     def list_checkpoints(self, user_id: str, run_id: str | None = None) -> list[t.Checkpoint]:
         where = {"user_id": user_id} | ({"run_id": run_id} if run_id else {})
         if run_id:

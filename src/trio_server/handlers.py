@@ -14,7 +14,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -35,6 +35,7 @@ from trio_engine import (
 from . import checkpoints as ckpt
 from .engine import Engine, Failure, SampleJob, failure_from
 from .errors import ServiceError
+from .metrics import StepTotals
 from .scheduler import WorkItem
 from .store import Store, now
 from .store import checkpoints as checkpoints_table
@@ -56,6 +57,8 @@ class Context:
     store: Store
     data_dir: Path
     ephemeral_per_run: int = 8  # unnamed sampler weights a run keeps (Limits.ephemeral_samplers_per_run)
+    # run id -> the sums of its forming step (None: a call of it could not be counted)
+    steps: dict[str, StepTotals | None] = field(default_factory=dict)
 
     def checkpoint_folder(self, path: str) -> str:
         return str(ckpt.folder(self.data_dir, *ckpt.parse_path(path)))
@@ -122,7 +125,29 @@ def _forward(ctx: Context, batch: list[WorkItem]) -> list[Result]:
     outs, error = _guard(run, jobs)
     if error:
         return [(None, error)] * len(batch)
+    if batch[0].op == "forward_backward":  # forward trains nothing: no step's metrics
+        for item, out in zip(batch, outs):
+            if isinstance(out, ForwardResult) and not _record(item, _add_to_step, ctx, item, out):
+                ctx.steps[item.request.model_id] = None  # its sums lack this call: not recorded
     return [_outcome(out, _forward_output) for out in outs]
+
+
+def _add_to_step(ctx: Context, item: WorkItem, out: ForwardResult) -> None:
+    req: t.ForwardRequest = item.request
+    totals = ctx.steps.setdefault(req.model_id, StepTotals())
+    if totals is not None:
+        totals.add(req.data, out.metrics)
+
+
+def _record(item: WorkItem, fn: Callable[..., None], *args: Any) -> bool:
+    """Record metrics; never fail the request that produced them. False if it failed."""
+    try:
+        fn(*args)
+        return True
+    except Exception:
+        log.exception("request=%s run=%s: recording step metrics failed; the request goes on",
+                      item.request_id, item.run_id)
+        return False
 
 
 def _forward_output(out: ForwardResult) -> t.ForwardBackwardOutput:
@@ -198,7 +223,17 @@ def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
     req: t.OptimStepRequest = item.request
     metrics = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))
     ctx.store.update(runs_table, "run_id", req.model_id, step=int(metrics["step"]))
+    _record(item, _finish_step, ctx, req.model_id, metrics)
     return t.OptimStepResponse(metrics=metrics)
+
+
+def _finish_step(ctx: Context, run_id: str, optim_metrics: dict[str, float]) -> None:
+    """Store the step optim_step just made. With no gradients accumulated, optim_step
+    changes nothing, not even the step number: then no step was made, nothing is stored;
+    nor when a call of the step could not be counted (partial sums would mislead)."""
+    totals = ctx.steps.pop(run_id, None)
+    if totals is not None:
+        ctx.store.put_metrics(run_id, int(optim_metrics["step"]), "service", totals.finish(optim_metrics))
 
 
 def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:
@@ -240,6 +275,7 @@ def remove_checkpoint(store: Store, data_dir: Path, row: dict) -> None:
 def _load_weights(ctx: Context, item: WorkItem) -> t.LoadWeightsResponse:
     req: t.LoadWeightsRequest = item.request
     ctx.engine.load_state(req.model_id, ctx.checkpoint_folder(req.path), req.with_optimizer)
+    ctx.steps.pop(req.model_id, None)  # the loaded weights come without the pending gradients
     ctx.store.update(runs_table, "run_id", req.model_id, step=ctx.engine.adapter_info(req.model_id).step)
     return t.LoadWeightsResponse(path=req.path)
 

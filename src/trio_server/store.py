@@ -1,7 +1,8 @@
 """Persistence through SQLAlchemy Core: SQLite in the data dir by default, or PostgreSQL.
 
 Tables: api_keys (hashed), runs, requests (futures with their serialized results),
-checkpoints, samplers. Results are stored as the JSON text that is sent to clients.
+checkpoints, samplers, step_metrics (each run's per-step metrics, one row per value).
+Results are stored as the JSON text that is sent to clients.
 """
 
 from __future__ import annotations
@@ -66,6 +67,16 @@ samplers = sa.Table(
     sa.Column("base_model", sa.String(256), nullable=False),
     sa.Column("model_path", sa.String(512)),
     sa.Column("created_at", sa.String(32), nullable=False),
+)
+step_metrics = sa.Table(
+    "step_metrics", metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True),
+    # "service": recorded from forward_backward/optim_step results; "client": log_metrics.
+    # Both kept, so a client metric named like a service one hides it without erasing it.
+    sa.Column("source", sa.String(16), primary_key=True),
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("value", sa.Float, nullable=False),  # double precision on PostgreSQL and SQLite
 )
 
 
@@ -134,6 +145,39 @@ class Store:
             query = query.where(table.c[k] == v)
         with self.engine.begin() as c:
             c.execute(query)
+
+    # -- step metrics ---------------------------------------------------------------------
+    def put_metrics(self, run_id: str, step: int, source: str, metrics: dict[str, float]) -> None:
+        """Set these metrics of one step (a name set again takes the new value)."""
+        if not metrics:
+            return
+        rows = [{"run_id": run_id, "step": step, "source": source, "name": k, "value": float(v)}
+                for k, v in metrics.items()]
+        # An upsert, in one statement: two writers of one name cannot collide on the key.
+        dialect = self.engine.dialect.name
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        elif dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+        else:
+            raise NotImplementedError(f"step metrics on {dialect}")
+        query = insert(step_metrics).values(rows)
+        query = query.on_conflict_do_update(index_elements=list(step_metrics.primary_key.columns),
+                                            set_={"value": query.excluded.value})
+        with self.engine.begin() as c:
+            c.execute(query)
+
+    def run_metrics(self, run_id: str) -> list[tuple[int, dict[str, float]]]:
+        """The run's steps in order, each with its metrics; a client value of a name
+        hides the service's value of it at that step."""
+        query = (sa.select(step_metrics.c.step, step_metrics.c.source, step_metrics.c.name, step_metrics.c.value)
+                 .where(step_metrics.c.run_id == run_id)
+                 .order_by(step_metrics.c.step, step_metrics.c.source.desc(), step_metrics.c.name))
+        steps: dict[int, dict[str, float]] = {}
+        with self.engine.connect() as c:
+            for step, _source, name, value in c.execute(query):  # "service" before "client"
+                steps.setdefault(step, {})[name] = value
+        return list(steps.items())
 
     def max_seq_by_run(self) -> dict[str, int]:
         query = sa.select(requests.c.run_id, sa.func.max(requests.c.seq)).where(requests.c.seq.is_not(None)).group_by(requests.c.run_id)

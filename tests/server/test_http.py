@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import httpx
@@ -163,3 +164,17 @@ def test_oversized_body_refused_before_reading(server):
 def test_openapi_schema(server):
     schema = httpx.get(server.url + "/openapi.json").json()
     assert "/api/v1/forward_backward" in schema["paths"] and "/api/v1/retrieve_future" in schema["paths"]
+
+
+def test_the_console_is_static_needs_no_key_and_loads_nothing_from_elsewhere(server):
+    page = httpx.get(server.url + "/console")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    for name, kind in (("console.js", "javascript"), ("console.css", "text/css")):
+        r = httpx.get(f"{server.url}/console/{name}")
+        assert r.status_code == 200 and kind in r.headers["content-type"] and f"/console/{name}" in page.text
+        # offline: no CDN, no external font; the only URL is the SVG namespace
+        assert re.findall(r"https?://[^\s\"'`)]+", r.text) in ([], ["http://www.w3.org/2000/svg"])
+    r = httpx.get(server.url + "/console/app.py")
+    assert r.status_code == 404 and r.json()["error"]["category"] == "not_found"
+    assert "/console" not in httpx.get(server.url + "/openapi.json").json()["paths"]

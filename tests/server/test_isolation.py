@@ -113,6 +113,7 @@ def alice_state(w: World) -> dict[str, Any]:
                                        "data": DATA})
     return {
         "step": run["step"],
+        "metrics": w.alice.request("GET", f"/runs/{w.ids['run']}/metrics").json(),
         "run_checkpoints": run["checkpoints"],
         "checkpoints": w.alice.request("GET", "/checkpoints").json(),
         "archives": archives,
@@ -133,6 +134,8 @@ def world(tmp_path_factory) -> World:
     run = alice.call("create_model", {"base_model": MODEL, "lora_config": {"rank": 2, "seed": 1}})["model_id"]
     alice.call("forward_backward", {"model_id": run, "seq": 0, "data": DATA})
     alice.call("optim_step", {"model_id": run, "seq": 1, "adam_params": {"learning_rate": 0.05}})
+    logged = alice.request("POST", f"/runs/{run}/metrics", json={"step": None, "metrics": {"reward": 0.5}})
+    assert logged.status_code == 200, logged.text
     weights = alice.call("save_weights", {"model_id": run, "seq": 2, "name": "w", "kind": "weights"})["path"]
     sampler_weights = alice.call("save_weights", {"model_id": run, "seq": 3, "name": "s",
                                                   "kind": "sampler_weights"})["path"]
@@ -152,6 +155,8 @@ def world(tmp_path_factory) -> World:
     w = World(core, srv.url, alice, bob, core.store.user_for_key(alice_key) or "", ids, bob_run, {})
     w.baseline = alice_state(w)
     assert w.baseline["step"] == 1 and len(w.baseline["checkpoints"]) == 2
+    ((step,),) = [w.baseline["metrics"]]
+    assert step["step"] == 1 and step["metrics"]["reward"] == 0.5 and "loss" in step["metrics"]
     assert all(b'"status":"done"' in w.baseline[k] for k in ("request", "old_request"))
     yield w
     srv.stop()
@@ -207,6 +212,12 @@ CASES: list[tuple[str, str | None, Any]] = [
     ("retrieve_future/stored", None,
      lambda i, w: ("POST", "/retrieve_future", {"json": {"request_id": i["old_request"], "timeout": 0}})),
     ("GET runs/{id}", None, lambda i, w: ("GET", f"/runs/{i['run']}", {})),
+    ("GET runs/{id}/metrics", None, lambda i, w: ("GET", f"/runs/{i['run']}/metrics", {})),
+    ("POST runs/{id}/metrics", None,  # would replace her step 1's reward and hide its loss
+     lambda i, w: ("POST", f"/runs/{i['run']}/metrics", {"json": {"step": 1, "metrics": {"reward": 9.0,
+                                                                                           "loss": 0.0}}})),
+    ("POST runs/{id}/metrics/current-step", None,
+     lambda i, w: ("POST", f"/runs/{i['run']}/metrics", {"json": {"step": None, "metrics": {"reward": 9.0}}})),
     ("GET checkpoints?run_id", None, lambda i, w: ("GET", "/checkpoints", {"params": {"run_id": i["run"]}})),
     ("DELETE checkpoints/weights", None,
      lambda i, w: ("DELETE", "/checkpoints", {"params": {"path": i["weights"]}})),

@@ -52,6 +52,25 @@ def test_keys_runs_checkpoints_and_restart(db_url, tmp_path):
     assert [r.run_id for r in reborn.list_runs("u1")] == [tc.model_id]
     assert reborn.list_runs("someone-else") == []
     assert [c.path for c in reborn.list_checkpoints("u1")] == [path]
+    ((step, metrics),) = [(s.step, s.metrics) for s in reborn.run_metrics("u1", tc.model_id)]
+    assert step == 1 and {"loss", "tokens", "grad_norm", "learning_rate"} == set(metrics)
     outcome = reborn._stored_outcome("u1", "req-dead")
     assert outcome.status == "failed" and outcome.error.message == RESTART_MESSAGE
     reborn.close()
+
+
+def test_step_metrics_set_again_take_the_new_value_and_client_values_hide_the_services(db_url):
+    store = Store(db_url)
+    third = 1 / 3  # double precision, exactly, on both databases
+    store.put_metrics("run-a", 2, "service", {"loss": 1.5, "tokens": 10})
+    store.put_metrics("run-a", 1, "service", {"loss": 2.5, "grad_norm": third})
+    store.put_metrics("run-a", 1, "client", {"loss": 9.0, "reward": 0.25})
+    store.put_metrics("run-a", 2, "service", {"loss": 1.25})  # again: the new value
+    store.put_metrics("run-a", 3, "client", {})  # nothing to record
+    store.put_metrics("run-b", 1, "client", {"reward": 1.0})
+    assert store.run_metrics("run-a") == [
+        (1, {"grad_norm": third, "loss": 9.0, "reward": 0.25}),
+        (2, {"loss": 1.25, "tokens": 10.0}),
+    ]
+    assert store.run_metrics("run-b") == [(1, {"reward": 1.0})]
+    assert store.run_metrics("run-c") == []

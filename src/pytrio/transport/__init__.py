@@ -7,7 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..types import Checkpoint, FutureResponse, ServerCapabilities, TokenizerFiles, TrainingRun
+from ..types import (
+    Checkpoint,
+    FutureResponse,
+    LogMetricsRequest,
+    LogMetricsResponse,
+    ServerCapabilities,
+    StepMetrics,
+    TokenizerFiles,
+    TrainingRun,
+)
 
 
 class Transport(Protocol):
@@ -22,6 +31,10 @@ class Transport(Protocol):
     async def list_runs(self) -> list[TrainingRun]: ...
 
     async def get_run(self, run_id: str) -> TrainingRun: ...
+
+    async def log_metrics(self, run_id: str, request: LogMetricsRequest) -> LogMetricsResponse: ...
+
+    async def run_metrics(self, run_id: str) -> list[StepMetrics]: ...
 
     async def list_checkpoints(self, run_id: str | None) -> list[Checkpoint]: ...
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from pydantic import TypeAdapter
@@ -15,7 +16,16 @@ from pydantic import TypeAdapter
 from ..errors import ConnectionError as TrioConnectionError
 from ..errors import TimeoutError as TrioTimeoutError
 from ..errors import TrioError, error_from_category, error_from_status
-from ..types import Checkpoint, FutureResponse, ServerCapabilities, TokenizerFiles, TrainingRun
+from ..types import (
+    Checkpoint,
+    FutureResponse,
+    LogMetricsRequest,
+    LogMetricsResponse,
+    ServerCapabilities,
+    StepMetrics,
+    TokenizerFiles,
+    TrainingRun,
+)
 
 API = "/api/v1"
 
@@ -73,6 +83,13 @@ class HttpTransport:
     async def get_run(self, run_id: str) -> TrainingRun:
         return TrainingRun.model_validate_json((await self._request("GET", f"/runs/{run_id}")).content)
 
+    async def log_metrics(self, run_id: str, request: LogMetricsRequest) -> LogMetricsResponse:
+        response = await self._request("POST", f"/runs/{quote(run_id, safe='')}/metrics", json=request.model_dump(mode="json"))
+        return LogMetricsResponse.model_validate_json(response.content)
+
+    async def run_metrics(self, run_id: str) -> list[StepMetrics]:
+        return _STEPS.validate_json((await self._request("GET", f"/runs/{quote(run_id, safe='')}/metrics")).content)
+
     async def list_checkpoints(self, run_id: str | None) -> list[Checkpoint]:
         params = {"run_id": run_id} if run_id else {}
         return _CHECKPOINTS.validate_json((await self._request("GET", "/checkpoints", params=params)).content)
@@ -126,6 +143,7 @@ class HttpTransport:
 
 _RUNS = TypeAdapter(list[TrainingRun])
 _CHECKPOINTS = TypeAdapter(list[Checkpoint])
+_STEPS = TypeAdapter(list[StepMetrics])
 
 
 def _error(response: httpx.Response) -> TrioError:

@@ -17,7 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import error_from_category
-from ..types import Checkpoint, FutureResponse, ServerCapabilities, TokenizerFiles, TrainingRun
+from ..types import (
+    Checkpoint,
+    FutureResponse,
+    LogMetricsRequest,
+    LogMetricsResponse,
+    ServerCapabilities,
+    StepMetrics,
+    TokenizerFiles,
+    TrainingRun,
+)
 
 LOCAL_USER = "local"
 _cores: dict[str, Any] = {}
@@ -63,6 +72,13 @@ class LocalTransport:
 
     async def get_run(self, run_id: str) -> TrainingRun:
         return self._call(self.core.get_run, self.user_id, run_id)
+
+    async def log_metrics(self, run_id: str, request: LogMetricsRequest) -> LogMetricsResponse:
+        # its JSON form, as over HTTP: the core validates what the wire would carry
+        return self._call(self.core.log_metrics, self.user_id, run_id, request.model_dump(mode="json"))
+
+    async def run_metrics(self, run_id: str) -> list[StepMetrics]:
+        return self._call(self.core.run_metrics, self.user_id, run_id)
 
     async def list_checkpoints(self, run_id: str | None) -> list[Checkpoint]:
         return self._call(self.core.list_checkpoints, self.user_id, run_id)
