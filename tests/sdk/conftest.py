@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -103,17 +104,26 @@ class ServeProcess:
         return out.stdout.strip()
 
 
-@pytest.fixture(scope="session")
-def http_server(tmp_path_factory):
+@contextlib.contextmanager
+def core_server(data_dir):
+    """A fresh fp32 ServiceCore behind the app (API keys on) in a ServerThread; ``.core``."""
     from trio_server.app import create_app
     from trio_server.core import ServiceCore
 
-    core = ServiceCore(tmp_path_factory.mktemp("http-core"), dtype="float32")
+    core = ServiceCore(data_dir, dtype="float32")
     server = ServerThread(create_app(core, auth=True))
     server.core = core
-    yield server
-    server.stop()
-    core.close()
+    try:
+        yield server
+    finally:
+        server.stop()
+        core.close()
+
+
+@pytest.fixture(scope="session")
+def http_server(tmp_path_factory):
+    with core_server(tmp_path_factory.mktemp("http-core")) as server:
+        yield server
 
 
 @pytest.fixture(params=["local", "http"])

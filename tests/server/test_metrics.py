@@ -10,22 +10,16 @@ import pytest
 
 import pytrio as trio
 from trio_server import handlers
-from trio_server.app import create_app
-from trio_server.core import ServiceCore
 
-from ..sdk.conftest import ServerThread
+from ..sdk.conftest import core_server
 
 MODEL = "trio/tiny-llama"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    core = ServiceCore(tmp_path_factory.mktemp("metrics"), dtype="float32")
-    srv = ServerThread(create_app(core, auth=True))
-    srv.core = core
-    yield srv
-    srv.stop()
-    core.close()
+    with core_server(tmp_path_factory.mktemp("metrics")) as server:
+        yield server
 
 
 def datum() -> trio.Datum:

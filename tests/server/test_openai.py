@@ -22,7 +22,7 @@ from trio_server.app import create_app
 from trio_server.core import ServiceCore
 
 from ..polling import wait_until
-from ..sdk.conftest import ServerThread
+from ..sdk.conftest import ServerThread, core_server
 
 openai = pytest.importorskip("openai")
 
@@ -34,12 +34,8 @@ ANSWER = "日本語です"  # 9 SmolLM2 tokens: 日 and で take two each, 語 t
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    core = ServiceCore(tmp_path_factory.mktemp("openai"), dtype="float32")
-    srv = ServerThread(create_app(core, auth=True))
-    srv.core = core
-    yield srv
-    srv.stop()
-    core.close()
+    with core_server(tmp_path_factory.mktemp("openai")) as server:
+        yield server
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 
 tinker = pytest.importorskip("tinker")
 import pytrio as trio  # noqa: E402
-from tests.sdk.conftest import ServerThread  # noqa: E402
+from tests.sdk.conftest import core_server  # noqa: E402
 from tinker import types as tt  # noqa: E402
 
 TINY = "trio/tiny-llama"
@@ -17,15 +17,8 @@ ROWS = [([1, 17, 23, 99, 5, 8], [0.0, 0.0, 1.0, 1.0, 0.5, 2.0]), ([3, 40, 11, 7]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from trio_server.app import create_app
-    from trio_server.core import ServiceCore
-
-    core = ServiceCore(tmp_path_factory.mktemp("tinker-metrics"), dtype="float32")
-    server = ServerThread(create_app(core, auth=True))
-    server.core = core
-    yield server
-    server.stop()
-    core.close()
+    with core_server(tmp_path_factory.mktemp("tinker-metrics")) as server:
+        yield server
 
 
 def test_tinker_steps_are_recorded_and_read_over_pytrio(server):
