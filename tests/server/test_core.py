@@ -228,7 +228,7 @@ def test_a_submit_that_loses_the_idempotency_race_returns_the_winner_and_leaves_
     core.close()
 
 
-def test_a_restart_fails_in_flight_requests_drops_ephemeral_weights_and_resumes_seqs(tmp_path):
+def test_a_restart_fails_in_flight_requests_drops_ephemeral_weights_and_resumes_seqs(tmp_path, caplog):
     from pytrio import types as t
     from pytrio.futures import run_sync
     from trio_server.errors import RESTART_MESSAGE
@@ -236,6 +236,7 @@ def test_a_restart_fails_in_flight_requests_drops_ephemeral_weights_and_resumes_
 
     before = ServiceCore(tmp_path, dtype="float32")
     tc = trio.ServiceClient(transport=LocalTransport(before)).create_lora_training_client(base_model=MODEL, rank=2)
+    named = tc.save_weights_for_sampler("kept").result().path
     tc.save_weights_and_get_sampling_client()  # unnamed: ephemeral weights
     (row,) = before.store.select(checkpoints, kind="ephemeral")
     folder = before.checkpoint_dir(row["run_id"], row["kind"], row["name"])
@@ -244,10 +245,13 @@ def test_a_restart_fails_in_flight_requests_drops_ephemeral_weights_and_resumes_
                         seq=5, status="pending", idempotency_key=None, created_at=now())
     before.close()
 
-    after = ServiceCore(tmp_path, dtype="float32")
+    with caplog.at_level("WARNING", logger="trio.server"):
+        after = ServiceCore(tmp_path, dtype="float32")
+    assert "marked 1 in-flight requests failed" in caplog.text  # operators see what a restart cost
     state = run_sync(LocalTransport(after).retrieve("req-in-flight", 0))
     assert (state.status, state.error) == ("failed", t.ErrorInfo(category="server", message=RESTART_MESSAGE))
     assert after.store.select(checkpoints, kind="ephemeral") == [] and not folder.exists()
+    assert [c.path for c in after.list_checkpoints("local")] == [named]  # named weights outlive restarts
     assert after.next_seq[tc.model_id] == 6  # past every seq the store has seen, not the run's next_seq (1)
     after.close()
 
@@ -260,3 +264,71 @@ def test_a_recently_used_run_is_not_offloaded(tmp_path):
     worker._offload_idle()  # the worker calls it when idle; here at once
     assert tc.model_id in worker.last_used and tc.model_id in worker.engine.host.adapters
     core.close()  # (test_idle_runs_move_to_disk_and_come_back_unchanged: after the window, it goes)
+
+
+def test_an_unknown_operation_is_not_found_and_request_ids_have_one_form(tmp_path):
+    import re
+
+    from trio_server.errors import ServiceError
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    with pytest.raises(ServiceError) as refused:
+        core.submit("local", "train_faster", {})
+    assert (refused.value.category, refused.value.status) == ("not_found", 404)
+    assert "'train_faster'" in refused.value.message
+    request_id = core.submit("local", "create_model", {"base_model": MODEL, "lora_config": {"rank": 2}})
+    assert re.fullmatch(r"req-[0-9a-f]{16}", request_id), request_id  # the form the docs and logs show
+    core.close()
+
+
+def test_a_retried_submit_answers_its_first_request_even_if_it_would_now_be_refused(tmp_path):
+    """The key decides before anything else: a retry whose checkpoint was deleted
+    meanwhile still answers the original (done) request, not a new not_found."""
+    core = ServiceCore(tmp_path, dtype="float32")
+    svc = trio.ServiceClient(transport=LocalTransport(core))
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    path = tc.save_weights_for_sampler("s").result().path
+    body = {"model_path": path}
+    first = core.submit("local", "create_sampler", body, "sampler-key")
+    wait_until(lambda: core._stored_outcome("local", first).status == "done", "the sampler to be created")
+    core.delete_checkpoint("local", path)
+    assert core.submit("local", "create_sampler", body, "sampler-key") == first
+    core.close()
+
+
+def test_a_seq_still_queued_cannot_be_submitted_twice(tmp_path):
+    from trio_server.errors import ServiceError
+
+    core = ServiceCore(tmp_path, dtype="float32", limits=Limits(seq_gap_seconds=3600))
+    run_id = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(
+        base_model=MODEL, rank=2).model_id
+    waiting = core.submit("local", "optim_step", {"model_id": run_id, "seq": 1, "adam_params": {}})  # waits for seq 0
+    with pytest.raises(ServiceError, match="seq: 1 was already used") as refused:
+        core.submit("local", "optim_step", {"model_id": run_id, "seq": 1, "adam_params": {}})
+    assert refused.value.status == 409
+    core.submit("local", "optim_step", {"model_id": run_id, "seq": 0, "adam_params": {}})
+    wait_until(lambda: core._stored_outcome("local", waiting).status == "done", "seq 1 to run after seq 0")
+    core.close()
+
+
+def test_a_run_records_its_next_seq_and_last_request_time(tmp_path):
+    """What restarts and `trio runs list` read: the run's row, not only memory."""
+    from trio_server.store import runs
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    assert core.get_run("local", tc.model_id).last_request_at is None
+    for _ in range(3):
+        tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
+    assert core.store.get(runs, run_id=tc.model_id)["next_seq"] == 3
+    assert core.get_run("local", tc.model_id).last_request_at is not None
+    core.close()
+
+
+def test_the_worker_is_a_named_daemon_thread(tmp_path):
+    """Named for stack dumps and profilers; a daemon, so it never holds a process open."""
+    core = ServiceCore(tmp_path, dtype="float32")
+    trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    thread = core.workers[MODEL].thread
+    assert (thread.name, thread.daemon) == (f"trio-worker-{MODEL}", True)
+    core.close()

@@ -32,8 +32,9 @@ def test_sampling_requests_batch_and_others_run_alone():
 
 
 def test_batch_size_is_capped():
-    pending = [item(f"s{k}", "sample", arrival=k) for k in range(10)]
-    assert len(next_batch(pending, {}, max_batch=4)) == 4
+    pending = [item(f"s{k}", "sample", arrival=k) for k in range(100)]
+    assert len(next_batch(pending[:10], {}, max_batch=4)) == 4
+    assert len(next_batch(pending, {})) == 64  # the worker's cap: the first 64 arrivals
 
 
 def test_a_missing_sequence_number_stops_blocking_after_the_gap():
