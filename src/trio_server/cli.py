@@ -1,4 +1,4 @@
-"""The service's ``trio`` commands: ``trio serve``, ``trio keys create``, ``trio tokenizers install``.
+"""The service's ``trio`` commands: ``trio serve``, ``trio keys create|list|revoke``, ``trio tokenizers install``.
 
 They live in the service package, not the SDK: they start or administer the server, and
 the SDK never imports the server (only ``pytrio.transport.local`` does, to run it
@@ -18,6 +18,7 @@ import re
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ENGINES = ("local", "ray")
@@ -89,13 +90,32 @@ def serve(args: argparse.Namespace) -> None:
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def keys_create(args: argparse.Namespace) -> None:
+def _store(args: argparse.Namespace) -> Any:
     from .store import Store
 
     folder = _data_dir(args.data_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    store = Store(args.db or f"sqlite:///{folder / 'trio.db'}")
-    key = store.create_api_key(args.name)
+    return Store(args.db or f"sqlite:///{folder / 'trio.db'}")
+
+
+def keys_list(args: argparse.Namespace) -> None:
+    """One line per key: id (a hash prefix, not secret), name, created, revoked."""
+    print(f"{'ID':<14}{'NAME':<24}{'CREATED':<31}REVOKED")
+    for k in _store(args).list_api_keys():
+        print(f"{k['id']:<14}{k['name']:<24}{k['created_at']:<31}{k['revoked_at'] or '-'}")
+
+
+def keys_revoke(args: argparse.Namespace) -> None:
+    """Revoke a key by id or name; a running server refuses it from its next request."""
+    try:
+        key = _store(args).revoke_api_key(args.key)
+    except KeyError as exc:
+        sys.exit(f"trio keys revoke: {exc.args[0]}")
+    print(f"revoked key {key['id']} ({key['name']!r})")
+
+
+def keys_create(args: argparse.Namespace) -> None:
+    key = _store(args).create_api_key(args.name)
     print(key)
     print(f"# key {args.name!r} created; it is shown only this once. Use: export PYTRIO_API_KEY={key}", file=sys.stderr)
     print(f"# for the tinker SDK: export TINKER_API_KEY=tml-{key}", file=sys.stderr)
@@ -194,6 +214,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--data-dir")
     k.add_argument("--db")
     k.set_defaults(func=keys_create)
+    k = keys.add_parser("list", help="list API keys: id, name, created, revoked (never the key)")
+    k.add_argument("--data-dir")
+    k.add_argument("--db")
+    k.set_defaults(func=keys_list)
+    k = keys.add_parser("revoke", help="revoke an API key; a running server refuses it at once")
+    k.add_argument("key", help="the key's id (from trio keys list) or its name")
+    k.add_argument("--data-dir")
+    k.add_argument("--db")
+    k.set_defaults(func=keys_revoke)
 
     tok = sub.add_parser("tokenizers", help="tokenizers for clients (the tinker SDK, tinker-cookbook)")
     tsub = tok.add_subparsers(dest="tokenizers_command", required=True)
