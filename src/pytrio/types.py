@@ -31,7 +31,8 @@ from pydantic import (
     model_validator,
 )
 
-CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+# No leading '.', no '..', no trailing newline ($ would allow one): a name is one safe file name.
+CHECKPOINT_NAME = re.compile(r"^(?!.*\.\.)[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
 
 
 class _Model(BaseModel):
@@ -496,7 +497,7 @@ class SaveWeightsRequest(_RunRequest):
     def _valid_name(cls, name: str | None) -> str | None:
         if name is not None and not CHECKPOINT_NAME.match(name):
             raise ValueError(
-                f"name {name!r}: use 1-128 letters, digits, '.', '_' or '-'"
+                f"name {name!r}: use 1-128 letters, digits, '.', '_' or '-', not starting with '.', without '..'"
             )
         return name
 

@@ -315,7 +315,7 @@ class ServiceCore:
                 raise not_found(f"sampler {req.sampler_id!r}")
             item.context["sampler"] = sampler
             return sampler["base_model"]
-        run = self._run(item.user_id, req.model_id)
+        run = self._run(item.user_id, req.model_id, field="model_id")
         item.run_id, item.seq = run["run_id"], getattr(req, "seq", None)
         if isinstance(req, t.LoadWeightsRequest):
             item.context["checkpoint"] = self._checkpoint(item.user_id, req.path, kind="weights")
@@ -329,7 +329,8 @@ class ServiceCore:
         except ModelNotAvailableError as exc:
             raise ServiceError("validation", f"base_model: {exc}", 400) from None
 
-    def _run(self, user_id: str, run_id: str) -> dict:
+    def _run(self, user_id: str, run_id: str, field: str = "run_id") -> dict:
+        ckpt.check_part(field, run_id, max_len=64)  # a run id names a folder: 400 before any lookup
         run = self.store.get(runs_table, run_id=run_id)
         if run is None or run["user_id"] != user_id:
             raise not_found(f"training run {run_id!r}")

@@ -76,3 +76,110 @@ def test_key_check_compares_digests_in_constant_time(server, monkeypatch):
     key = server.core.store.create_api_key("ct")
     assert server.core.store.user_for_key(key) is not None
     assert calls and calls[-1][0] == calls[-1][1] == store_module.hash_key(key)
+
+
+# -- path traversal ---------------------------------------------------------------------
+
+BAD_PATHS = [
+    ("trio://run-abc/weights/..", "name"), ("trio://run-abc/weights/../../../outside", "parts"),
+    ("trio://../weights/x", "run id"), ("trio://run-abc/../x", "kind"), ("trio:///etc/passwd", "run id: '' is empty"),
+    ("trio://run-abc//x", "kind"), ("/etc/passwd", "not a checkpoint path"), ("../../outside", "not a checkpoint path"),
+    ("trio://run-abc/weights/a\\..\\b", "name"), ("trio://run-abc/weights/a\x00b", "NUL"),
+    ("trio://run-abc/weights/" + "a" * 300, "more than 128"), ("trio://run-abc/weights/", "empty"),
+    ("trio://run-abc/weights/.hidden", "name"), ("trio://run-abc/weights/x\n", "name"),
+]
+
+
+@pytest.fixture
+def sentinels(server):
+    """A file beside the data dir and one inside it; the test asserts neither changed and
+    that no file appeared or vanished anywhere under their common parent."""
+    outside = server.data_dir.parent / "outside"
+    outside.write_text("secret outside the data dir")
+    (server.data_dir / "checkpoints" / "run-abc").mkdir(parents=True, exist_ok=True)
+    before = sorted(str(p) for p in server.data_dir.parent.rglob("*") if "archives" not in p.parts)
+    yield outside
+    assert outside.read_text() == "secret outside the data dir"
+    assert (server.data_dir / "checkpoints" / "run-abc").is_dir()
+    assert sorted(str(p) for p in server.data_dir.parent.rglob("*") if "archives" not in p.parts) == before
+
+
+def auth(server) -> dict[str, str]:
+    return {"Authorization": f"Bearer {server.core.store.create_api_key('traversal')}"}
+
+
+@pytest.mark.parametrize("path,why", BAD_PATHS)
+def test_checkpoint_paths_outside_the_data_dir_are_refused(server, sentinels, path, why):
+    headers = auth(server)
+    for method, route in [("DELETE", "/api/v1/checkpoints"), ("GET", "/api/v1/checkpoints/archive")]:
+        r = httpx.request(method, server.url + route, params={"path": path}, headers=headers)
+        assert r.status_code == 400, (route, r.text)
+        assert r.json()["error"]["message"].startswith("path") and why in r.json()["error"]["message"]
+        assert "secret" not in r.text
+    r = httpx.post(server.url + "/api/v1/create_sampler", json={"model_path": path}, headers=headers)
+    assert r.status_code in (400, 422) and "secret" not in r.text
+
+
+# URL-encoded spellings, sent as raw bytes (httpx would otherwise normalise some).
+RAW_TARGETS = [
+    "/api/v1/checkpoints?path=trio%3A%2F%2Frun-abc%2Fweights%2F%2E%2E",
+    "/api/v1/checkpoints?path=trio://run-abc/weights/%2e%2e%2f%2e%2e%2foutside",
+    "/api/v1/checkpoints?path=trio://run-abc/weights/a%00b",
+    "/api/v1/checkpoints?path=trio://run-abc/weights/a%5C..%5Cb",
+    "/api/v1/checkpoints?path=%2Fetc%2Fpasswd",
+    "/api/v1/checkpoints/archive?path=trio://run-abc/weights/%2E%2E",
+    "/tinker/api/v1/training_runs/run-abc/checkpoints/weights/%2E%2E",
+    "/tinker/api/v1/training_runs/%2E%2E/checkpoints/weights/x",
+    "/tinker/api/v1/training_runs/run-abc/checkpoints/%2E%2E/x",
+]
+
+
+@pytest.mark.parametrize("target", RAW_TARGETS)
+def test_url_encoded_traversal_is_refused(server, sentinels, target):
+    headers = auth(server)
+    if target.startswith("/tinker"):
+        headers = {"X-API-Key": "tml-" + headers["Authorization"][7:]}
+    method = "GET" if "/archive" in target else "DELETE"
+    r = httpx.request(method, httpx.URL(server.url + target), headers=headers)
+    assert 400 <= r.status_code < 500 and r.status_code != 401, (method, target, r.text)
+    assert "secret" not in r.text
+
+
+RUN_IDS = ["%2E%2E", "a%00b", "a%5Cb", "x" * 100]
+
+
+@pytest.mark.parametrize("run_id", RUN_IDS)
+def test_run_ids_are_single_safe_names(server, sentinels, run_id):
+    headers = auth(server)
+    for method, route in [("GET", f"/api/v1/runs/{run_id}"), ("GET", f"/api/v1/runs/{run_id}/metrics"),
+                          ("GET", f"/api/v1/checkpoints?run_id={run_id}")]:
+        r = httpx.request(method, httpx.URL(server.url + route), headers=headers)
+        assert r.status_code in (400, 404), (route, r.text)
+        if r.status_code == 400:
+            assert r.json()["error"]["message"].startswith("run_id")
+    body = {"model_id": "../../outside", "seq": 0, "kind": "weights", "name": "x"}
+    r = httpx.post(server.url + "/api/v1/save_weights", json=body, headers=headers)
+    assert r.status_code == 400 and "model_id: '../../outside'" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/tinker/api/v1/weights_info", json={"tinker_path": "tinker://../weights/x"},
+                   headers={"X-API-Key": "tml-" + headers["Authorization"][7:]})
+    assert 400 <= r.status_code < 500 and r.status_code != 401
+
+
+@pytest.mark.parametrize("name", ["..", ".", ".hidden", "a..b", "a/b", "a\\b", "x\n", "a\x00", "", "n" * 129])
+def test_checkpoint_names_are_single_safe_names(server, name):
+    body = {"model_id": "run-abc", "seq": 0, "kind": "weights", "name": name}
+    r = httpx.post(server.url + "/api/v1/save_weights", json=body, headers=auth(server))
+    assert r.status_code == 422 and "name" in r.json()["error"]["message"], r.text
+
+
+def test_folder_never_leaves_the_checkpoints_dir(tmp_path):
+    from trio_server import checkpoints as ckpt
+    from trio_server.errors import ServiceError
+
+    (tmp_path / "checkpoints" / "run-abc").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "run-abc" / "weights").symlink_to(tmp_path.parent)
+    with pytest.raises(ServiceError, match="outside the data dir"):
+        ckpt.folder(tmp_path, "run-abc", "weights", "x")
+    for parts in [("..", "weights", "x"), ("run-abc", "/etc", "x"), ("run-abc", "weights", "")]:
+        with pytest.raises(ServiceError):
+            ckpt.folder(tmp_path, *parts)
