@@ -183,3 +183,34 @@ def test_folder_never_leaves_the_checkpoints_dir(tmp_path):
     for parts in [("..", "weights", "x"), ("run-abc", "/etc", "x"), ("run-abc", "weights", "")]:
         with pytest.raises(ServiceError):
             ckpt.folder(tmp_path, *parts)
+
+
+# -- body size --------------------------------------------------------------------------
+
+def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(server):
+    """64 MB offered in 64 KB chunks without Content-Length, against a 100 kB limit: the
+    413 arrives and the client stops long before the generator is exhausted."""
+    sent = []
+
+    def body():
+        for _ in range(1024):
+            sent.append(1)
+            yield b"x" * 65536
+
+    r = httpx.post(server.url + "/api/v1/create_model", content=body(), headers=auth(server), timeout=60)
+    assert r.status_code == 413 and "limit of 100000 bytes" in r.json()["error"]["message"]
+    assert len(sent) < 512, f"the client sent {len(sent)} of 1024 chunks: the server read on"
+
+
+def test_a_chunked_body_under_the_limit_still_works(server):
+    def body():
+        yield b'{"base_model": '
+        yield b'"no-such-model", "lora_config": {"rank": 2}}'
+
+    r = httpx.post(server.url + "/api/v1/create_model", content=body(), headers=auth(server))
+    assert r.status_code in (400, 422) and "base_model" in r.json()["error"]["message"], r.text
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_the_body(server):
+    r = httpx.post(server.url + "/api/v1/create_model", content=b"x" * 100_001, headers=auth(server))
+    assert r.status_code == 413 and "100001 bytes" in r.json()["error"]["message"]
