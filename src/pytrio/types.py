@@ -329,6 +329,8 @@ class ServerCapabilities(_Model):
     max_seq_len: int
     max_batch_size: int
     max_lora_rank: int
+    max_runs_per_user: int | None = None  # per-user quotas; None: none
+    max_checkpoint_bytes_per_user: int | None = None
 
 
 class Checkpoint(_Model):

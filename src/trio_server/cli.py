@@ -22,6 +22,7 @@ from typing import Any
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ENGINES = ("local", "ray")
+_LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_per_user")
 
 
 def _data_dir(value: str | None) -> Path:
@@ -73,7 +74,7 @@ def serve(args: argparse.Namespace) -> None:
         log.warning("AUTHENTICATION IS OFF (--no-auth): anyone who reaches %s:%d acts as one", args.host, args.port)
         log.warning("shared user. Use this for localhost development only.")
         log.warning("=" * 72)
-    limits = Limits() if args.seq_gap_seconds is None else Limits(seq_gap_seconds=args.seq_gap_seconds)
+    limits = Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS if getattr(args, name) is not None})
     core = ServiceCore(
         _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits,
         engine=args.engine, ray_address=args.ray_address, device=args.device,
@@ -203,6 +204,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-gap-seconds", type=float, default=None,
                    help="how long a run's later requests wait for a sequence number that never "
                         "arrived before continuing without it (default 30)")
+    p.add_argument("--max-runs-per-user", type=int, metavar="N", help="quota: training runs per API key (default none)")
+    p.add_argument("--max-checkpoint-bytes-per-user", type=int, metavar="BYTES",
+                   help="quota: checkpoint bytes per API key; a save is refused once a user holds this many "
+                        "(default none)")
     p.add_argument("--device", type=device, default=os.environ.get("TRIO_DEVICE") or "auto",
                    help="auto|cpu|cuda|cuda:N; auto picks CUDA when available (default $TRIO_DEVICE or auto)")
     p.add_argument("--no-auth", action="store_true", help="no API keys: localhost development only")

@@ -214,3 +214,51 @@ def test_a_chunked_body_under_the_limit_still_works(server):
 def test_a_declared_length_over_the_limit_is_refused_before_the_body(server):
     r = httpx.post(server.url + "/api/v1/create_model", content=b"x" * 100_001, headers=auth(server))
     assert r.status_code == 413 and "100001 bytes" in r.json()["error"]["message"]
+
+
+# -- quotas -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quota_server(tmp_path_factory):
+    from trio_server.core import Limits
+
+    data_dir = tmp_path_factory.mktemp("quota")
+    core = ServiceCore(data_dir, dtype="float32", limits=Limits(max_runs_per_user=1, max_checkpoint_bytes_per_user=1))
+    srv = ServerThread(create_app(core, auth=True))
+    srv.core, srv.data_dir = core, data_dir
+    yield srv
+    srv.stop()
+    core.close()
+
+
+def quota_client(server):
+    import pytrio as trio
+
+    return trio.ServiceClient(base_url=server.url, api_key=server.core.store.create_api_key("quota"))
+
+
+def test_quotas_are_reported_by_capabilities(quota_server):
+    caps = quota_client(quota_server).get_server_capabilities()
+    assert caps.max_runs_per_user == 1 and caps.max_checkpoint_bytes_per_user == 1
+    r = httpx.get(quota_server.url + "/tinker/api/v1/get_server_capabilities",
+                  headers={"X-API-Key": "tml-" + quota_server.core.store.create_api_key("tinker")})
+    assert r.status_code == 200 and r.json()["supported_models"]
+
+
+def test_run_and_checkpoint_quotas_refuse_before_any_change(quota_server):
+    import pytrio as trio
+
+    service = quota_client(quota_server)
+    tc = service.create_lora_training_client(base_model="trio/tiny-llama", rank=2)
+    with pytest.raises(trio.ValidationError, match=r"quota max_runs_per_user: this user has 1 runs, the limit is 1"):
+        service.create_lora_training_client(base_model="trio/tiny-llama", rank=2)
+    assert len(service.create_rest_client().list_training_runs()) == 1
+    quota_client(quota_server).create_lora_training_client(base_model="trio/tiny-llama", rank=2)  # another user
+
+    first = tc.save_state("first").result().path  # 0 bytes used < 1: allowed, and overshoots
+    with pytest.raises(trio.ValidationError, match=r"quota max_checkpoint_bytes_per_user: this user has \d+ "
+                                                   r"checkpoint bytes, the limit is 1"):
+        tc.save_state("second").result()
+    assert [c.path for c in service.create_rest_client().list_user_checkpoints()] == [first]
+    assert not (quota_server.data_dir / "checkpoints" / tc.model_id / "weights" / "second").exists()
+    tc.save_weights_and_get_sampling_client()  # ephemeral sampler weights are not refused
