@@ -67,6 +67,8 @@ def serve(args: argparse.Namespace) -> None:
     from .app import create_app
     from .core import Limits, ServiceCore
 
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        sys.exit("trio serve: --ssl-certfile and --ssl-keyfile go together (got only one)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     log = logging.getLogger("trio.server")
     if args.no_auth:
@@ -85,9 +87,11 @@ def serve(args: argparse.Namespace) -> None:
     # Bind here, so that --port 0 works: the line below tells which port the OS chose.
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    log.info("TRIO listening on http://%s:%d (pid %d)", host, port, os.getpid())
-    log.info("tinker SDK clients: TINKER_BASE_URL=http://%s:%d/tinker TINKER_API_KEY=tml-<key>", host, port)
-    config = uvicorn.Config(create_app(core, auth=not args.no_auth), log_level="warning")
+    scheme = "https" if args.ssl_certfile else "http"
+    log.info("TRIO listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
+    log.info("tinker SDK clients: TINKER_BASE_URL=%s://%s:%d/tinker TINKER_API_KEY=tml-<key>", scheme, host, port)
+    config = uvicorn.Config(create_app(core, auth=not args.no_auth), log_level="warning",
+                            ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
     uvicorn.Server(config).run(sockets=[sock])
 
 
@@ -210,6 +214,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "(default none)")
     p.add_argument("--device", type=device, default=os.environ.get("TRIO_DEVICE") or "auto",
                    help="auto|cpu|cuda|cuda:N; auto picks CUDA when available (default $TRIO_DEVICE or auto)")
+    p.add_argument("--ssl-certfile", metavar="PEM", help="serve HTTPS with this certificate (chain); needs --ssl-keyfile")
+    p.add_argument("--ssl-keyfile", metavar="PEM", help="the certificate's private key")
     p.add_argument("--no-auth", action="store_true", help="no API keys: localhost development only")
     p.set_defaults(func=serve)
 

@@ -262,3 +262,54 @@ def test_run_and_checkpoint_quotas_refuse_before_any_change(quota_server):
     assert [c.path for c in service.create_rest_client().list_user_checkpoints()] == [first]
     assert not (quota_server.data_dir / "checkpoints" / tc.model_id / "weights" / "second").exists()
     tc.save_weights_and_get_sampling_client()  # ephemeral sampler weights are not refused
+
+
+# -- TLS --------------------------------------------------------------------------------
+
+def self_signed(folder):
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_serve_speaks_tls_and_says_https(tmp_path):
+    import re
+    import ssl
+    import time
+
+    cert, key = self_signed(tmp_path)
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "trio_server.cli", "serve", "--port", "0", "--data-dir",
+                                 str(tmp_path / "data"), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                                 "--max-runs-per-user", "3"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        listening = re.compile(rf"TRIO listening on https://127\.0\.0\.1:(\d+) \(pid {proc.pid}\)")
+        deadline = time.monotonic() + 120
+        while not (match := listening.search(log_path.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)  # polling the log, not waiting for a guessed time
+        url = f"https://127.0.0.1:{match[1]}"
+        trusted = ssl.create_default_context(cafile=str(cert))
+        # The socket listens before the log line is written: a connection waits in its backlog.
+        r = httpx.get(url + "/api/v1/healthz", verify=trusted, timeout=60)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert "TINKER_BASE_URL=https://" in log_path.read_text()
+        with pytest.raises(httpx.ConnectError):  # an untrusted certificate is refused by the client
+            httpx.get(url + "/api/v1/healthz")
+        with pytest.raises(httpx.RemoteProtocolError):  # and plain HTTP gets no answer
+            httpx.get(url.replace("https", "http") + "/api/v1/healthz")
+        made = trio_cli("keys", "create", "--name", "tls", "--data-dir", str(tmp_path / "data"))
+        caps = httpx.get(url + "/api/v1/capabilities", verify=trusted,
+                         headers={"Authorization": f"Bearer {made.stdout.strip()}"}).json()
+        assert caps["max_runs_per_user"] == 3 and caps["max_checkpoint_bytes_per_user"] is None
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_serve_refuses_a_certificate_without_its_key(tmp_path):
+    r = trio_cli("serve", "--port", "0", "--data-dir", str(tmp_path), "--ssl-certfile", str(tmp_path / "c.pem"))
+    assert r.returncode != 0 and "--ssl-keyfile" in r.stderr
