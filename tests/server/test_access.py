@@ -41,6 +41,7 @@ def test_keys_list_shows_ids_never_keys_and_revoke_refuses_at_once(server):
     key = made.stdout.strip()
     assert made.returncode == 0 and key.startswith("trio-") and len(made.stdout.splitlines()) == 1
     assert get_runs(server, key).status_code == 200  # and the server has now seen the key
+    assert httpx.get(server.url + "/tinker/api/v1/training_runs", headers={"X-API-Key": f"tml-{key}"}).status_code == 200
     listed = trio_cli("keys", "list", "--data-dir", str(server.data_dir)).stdout
     line = next(ln for ln in listed.splitlines() if "to-revoke" in ln)
     assert key not in listed and key[5:17] not in listed
@@ -51,6 +52,9 @@ def test_keys_list_shows_ids_never_keys_and_revoke_refuses_at_once(server):
     assert revoked.returncode == 0, revoked.stderr
     r = get_runs(server, key)
     assert r.status_code == 401 and r.json()["error"]["category"] == "authentication"
+    tinker = httpx.get(server.url + "/tinker/api/v1/training_runs", headers={"X-API-Key": f"tml-{key}"})
+    openai = httpx.get(server.url + "/openai/v1/models", headers={"Authorization": f"Bearer {key}"})
+    assert tinker.status_code == 401 and openai.status_code == 401  # every door asks the same store
     listed = trio_cli("keys", "list", "--data-dir", str(server.data_dir)).stdout
     assert next(ln for ln in listed.splitlines() if key_id in ln).split()[-1] != "-"
 
