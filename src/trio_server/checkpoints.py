@@ -25,7 +25,7 @@ from .errors import ServiceError
 SCHEME = "trio://"
 KINDS = ("weights", "sampler_weights", "ephemeral")
 RUN_ID = re.compile(r"run-[0-9a-f]{1,32}")
-NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # = pytrio.types.CHECKPOINT_NAME
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # with check_part's '..' rule: pytrio.types.CHECKPOINT_NAME
 MAX_PART = 128
 MAX_PATH = 512  # the checkpoints table's key
 
@@ -66,7 +66,10 @@ def folder(data_dir: Path, run_id: str, kind: str, name: str) -> Path:
 
 def parse_path(path: str) -> tuple[str, str, str]:
     """``trio://<run-id>/<kind>/<name>`` -> (run id, kind, name), each part checked."""
-    if not isinstance(path, str) or not path.startswith(SCHEME) or len(path) > MAX_PATH:
+    if isinstance(path, str) and len(path) > MAX_PATH:
+        raise ServiceError("validation", f"path: {path[:200]!r}... is {len(path)} characters long, "
+                           f"more than {MAX_PATH}", 400)
+    if not isinstance(path, str) or not path.startswith(SCHEME):
         raise ServiceError("validation", f"path: {str(path)[:200]!r} is not a checkpoint path; expected "
                            f"trio://<run-id>/weights/<name> or trio://<run-id>/sampler_weights/<name>", 400)
     parts = path[len(SCHEME):].split("/")

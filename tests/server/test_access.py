@@ -90,6 +90,7 @@ BAD_PATHS = [
     ("trio://run-abc//x", "kind"), ("/etc/passwd", "not a checkpoint path"), ("../../outside", "not a checkpoint path"),
     ("trio://run-abc/weights/a\\..\\b", "name"), ("trio://run-abc/weights/a\x00b", "NUL"),
     ("trio://run-abc/weights/" + "a" * 300, "more than 128"), ("trio://run-abc/weights/", "empty"),
+    ("trio://run-abc/weights/" + "a" * 600, "more than 512"),
     ("trio://run-abc/weights/.hidden", "name"), ("trio://run-abc/weights/x\n", "name"),
 ]
 
