@@ -62,13 +62,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace) -> None:
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):  # before the slow imports
+        sys.exit("trio serve: --ssl-certfile and --ssl-keyfile go together (got only one)")
     import uvicorn
 
     from .app import create_app
     from .core import Limits, ServiceCore
 
-    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
-        sys.exit("trio serve: --ssl-certfile and --ssl-keyfile go together (got only one)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     log = logging.getLogger("trio.server")
     if args.no_auth:
