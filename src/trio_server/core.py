@@ -334,6 +334,9 @@ class ServiceCore:
     def _check_model(self, name: str) -> None:
         from trio_engine import ModelNotAvailableError
 
+        # Any name may resolve to the hub, and names become folder names (tokenizers/<org>--<name>):
+        # '..' would make that folder the data dir itself, which tokenizer_files replaces.
+        ckpt.check_part("base_model", name.replace("/", "--"), max_len=256)
         try:
             self.catalog.resolve(name)
         except ModelNotAvailableError as exc:

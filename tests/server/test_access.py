@@ -318,3 +318,17 @@ def test_serve_speaks_tls_and_says_https(tmp_path):
 def test_serve_refuses_a_certificate_without_its_key(tmp_path):
     r = trio_cli("serve", "--port", "0", "--data-dir", str(tmp_path), "--ssl-certfile", str(tmp_path / "c.pem"))
     assert r.returncode != 0 and "--ssl-keyfile" in r.stderr
+
+
+@pytest.mark.parametrize("name", ["..", ".", "org/..", "a\\b", "a\x00"])
+def test_base_model_names_cannot_name_the_data_dir(server, monkeypatch, name):
+    """Unknown names go to the hub; when it is reachable, '..' must still not become the
+    tokenizer cache folder (<data-dir>/tokenizers/.. is the data dir, which gets replaced)."""
+    from trio_engine import catalog
+    from trio_server.errors import ServiceError
+
+    monkeypatch.setattr(catalog, "_hub_reachable", lambda: True)
+    with pytest.raises(ServiceError, match="base_model"):
+        server.core._check_model(name)
+    r = httpx.get(server.url + "/api/v1/tokenizer", params={"base_model": name}, headers=auth(server))
+    assert r.status_code == 400 and "base_model" in r.json()["error"]["message"]
