@@ -332,3 +332,19 @@ def test_base_model_names_cannot_name_the_data_dir(server, monkeypatch, name):
         server.core._check_model(name)
     r = httpx.get(server.url + "/api/v1/tokenizer", params={"base_model": name}, headers=auth(server))
     assert r.status_code == 400 and "base_model" in r.json()["error"]["message"]
+
+
+def test_a_database_from_before_revocation_gains_the_column(tmp_path):
+    import sqlalchemy as sa
+
+    from trio_server.store import Store, hash_key
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    with sa.create_engine(url).begin() as c:
+        c.exec_driver_sql("CREATE TABLE api_keys (key_hash VARCHAR(64) PRIMARY KEY, user_id VARCHAR(64) NOT NULL, "
+                          "name VARCHAR(128) NOT NULL, created_at VARCHAR(32) NOT NULL)")
+        c.exec_driver_sql(f"INSERT INTO api_keys VALUES ('{hash_key('trio-old')}', 'user-old', 'old', 'then')")
+    store = Store(url)
+    assert store.user_for_key("trio-old") == "user-old"
+    store.revoke_api_key("old")
+    assert store.user_for_key("trio-old") is None
