@@ -31,7 +31,8 @@ from pydantic import (
     model_validator,
 )
 
-CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+# No leading '.', no '..', no trailing newline ($ would allow one): a name is one safe file name.
+CHECKPOINT_NAME = re.compile(r"^(?!.*\.\.)[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
 
 
 class _Model(BaseModel):
@@ -328,6 +329,8 @@ class ServerCapabilities(_Model):
     max_seq_len: int
     max_batch_size: int
     max_lora_rank: int
+    max_runs_per_user: int | None = None  # per-user quotas; None: none
+    max_checkpoint_bytes_per_user: int | None = None
 
 
 class Checkpoint(_Model):
@@ -496,7 +499,7 @@ class SaveWeightsRequest(_RunRequest):
     def _valid_name(cls, name: str | None) -> str | None:
         if name is not None and not CHECKPOINT_NAME.match(name):
             raise ValueError(
-                f"name {name!r}: use 1-128 letters, digits, '.', '_' or '-'"
+                f"name {name!r}: use 1-128 letters, digits, '.', '_' or '-', not starting with '.', without '..'"
             )
         return name
 

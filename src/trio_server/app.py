@@ -66,10 +66,6 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
     @app.middleware("http")
     async def limit_and_log(request: Request, call_next: Any) -> Response:
         started = time.monotonic()
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > max_body_bytes:
-            # refused on the header, before the body is read
-            return _error(413, "validation", f"request body of {length} bytes exceeds the limit of {max_body_bytes}")
         if request.url.path.startswith("/api/") and request.url.path not in PUBLIC_PATHS:
             try:
                 request.state.user_id = authenticate(core.store, request, auth)
@@ -79,6 +75,8 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
         log.info("%s %s %d %.0fms", request.method, request.url.path, response.status_code,
                  (time.monotonic() - started) * 1000)
         return response
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)  # added last: outside limit_and_log
 
     @app.get("/api/v1/healthz")
     async def healthz() -> dict[str, str]:
@@ -155,6 +153,53 @@ def _add_submit_route(app: FastAPI, core: ServiceCore, op: str, model: type[Base
     submit.__annotations__["body"] = model  # a real class, not the postponed string
     submit.__annotations__["request"] = Request
     app.post(f"/api/v1/{op}", summary=f"Submit {op}", response_model=t.SubmitResponse)(submit)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body is at most ``max_bytes``, however it is sent.
+
+    A ``Content-Length`` over the limit is refused before the body is read. A chunked
+    body is counted as it streams through ``receive``: the moment it crosses the limit
+    the client gets 413, the route sees a disconnect (so it stops reading), and whatever
+    the route answers after that is dropped. At most one chunk past the limit is ever
+    held in memory.
+    """
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(send, f"{int(length)} bytes")
+        seen, refused = 0, False
+
+        async def counted() -> dict:
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            seen += len(message.get("body", b"")) if message["type"] == "http.request" else 0
+            if seen > self.max_bytes:
+                refused = True
+                await self._refuse(send, f"more than {self.max_bytes} bytes (chunked)")
+                return {"type": "http.disconnect"}
+            return message
+
+        async def unless_refused(message: dict) -> None:
+            if not refused:
+                await send(message)
+
+        await self.app(scope, counted, unless_refused)
+
+    async def _refuse(self, send: Any, size: str) -> None:
+        body = _error(413, "validation", f"request body: {size} exceeds the limit of {self.max_bytes} bytes").body
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def _error(status: int, category: str, message: str) -> JSONResponse:

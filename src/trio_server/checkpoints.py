@@ -7,6 +7,11 @@ disk it lives at ``<data-dir>/checkpoints/<run-id>/<kind>/<name>/``.
 ``trio://<run-id>/ephemeral/<n>`` are sampler weights saved without a name: the
 service names them (``n`` orders them), never lists them, and removes them at start-up
 and when their run has more than ``Limits.ephemeral_samplers_per_run``.
+
+Every part that becomes a file name (run id, kind, name) passes ``check_part`` first, and
+``folder`` checks that the result stays under ``<data-dir>/checkpoints``: a path from a
+client never reaches outside the data dir, however it is spelled (``..``, ``/``, ``\\``,
+NUL, absolute, empty, too long). Refusals are 400s naming the field and the value.
 """
 
 from __future__ import annotations
@@ -17,27 +22,66 @@ from pathlib import Path
 
 from .errors import ServiceError
 
-PATH = re.compile(r"^trio://(?P<run>run-[0-9a-f]+)/(?P<kind>weights|sampler_weights|ephemeral)/(?P<name>[A-Za-z0-9._-]{1,128})$")
+SCHEME = "trio://"
+KINDS = ("weights", "sampler_weights", "ephemeral")
+RUN_ID = re.compile(r"run-[0-9a-f]{1,32}")
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # with check_part's '..' rule: pytrio.types.CHECKPOINT_NAME
+MAX_PART = 128
+MAX_PATH = 512  # the checkpoints table's key
+
+
+def check_part(field: str, value: str, max_len: int = MAX_PART) -> str:
+    """``value`` if it is safe as one file name; else a 400 naming ``field`` and ``value``."""
+    problem = _unsafe(value, max_len)
+    if problem:
+        raise ServiceError("validation", f"{field}: {value[:200]!r} {problem}", 400)
+    return value
+
+
+def _unsafe(value: str, max_len: int) -> str | None:
+    if not isinstance(value, str) or not value:
+        return "is empty"
+    if len(value) > max_len:
+        return f"is {len(value)} characters long, more than {max_len}"
+    for bad, what in (("\0", "a NUL byte"), ("/", "'/'"), ("\\", "'\\'"), ("..", "'..'")):
+        if bad in value:
+            return f"contains {what}"
+    if value == "." or any(ord(ch) < 32 for ch in value):
+        return "is not a file name"
+    return None
 
 
 def make_path(run_id: str, kind: str, name: str) -> str:
-    return f"trio://{run_id}/{kind}/{name}"
+    return f"{SCHEME}{run_id}/{kind}/{name}"
 
 
 def folder(data_dir: Path, run_id: str, kind: str, name: str) -> Path:
-    """Where a checkpoint lives on disk."""
-    return data_dir / "checkpoints" / run_id / kind / name
+    """Where a checkpoint lives on disk; never outside ``<data_dir>/checkpoints``."""
+    root = data_dir / "checkpoints"
+    target = root / check_part("run_id", run_id) / check_part("kind", kind) / check_part("name", name)
+    if not target.resolve().is_relative_to(root.resolve()):  # e.g. a symlink planted in the data dir
+        raise ServiceError("validation", f"path: {make_path(run_id, kind, name)!r} is outside the data dir", 400)
+    return target
 
 
 def parse_path(path: str) -> tuple[str, str, str]:
-    match = PATH.match(path or "")
-    if not match:
-        raise ServiceError(
-            "validation",
-            f"path: {path!r} is not a checkpoint path; expected trio://<run-id>/weights/<name> "
-            "or trio://<run-id>/sampler_weights/<name>",
-        )
-    return match["run"], match["kind"], match["name"]
+    """``trio://<run-id>/<kind>/<name>`` -> (run id, kind, name), each part checked."""
+    if isinstance(path, str) and len(path) > MAX_PATH:
+        raise ServiceError("validation", f"path: {path[:200]!r}... is {len(path)} characters long, "
+                           f"more than {MAX_PATH}", 400)
+    if not isinstance(path, str) or not path.startswith(SCHEME):
+        raise ServiceError("validation", f"path: {str(path)[:200]!r} is not a checkpoint path; expected "
+                           f"trio://<run-id>/weights/<name> or trio://<run-id>/sampler_weights/<name>", 400)
+    parts = path[len(SCHEME):].split("/")
+    if len(parts) != 3:
+        raise ServiceError("validation", f"path: {path[:200]!r} has {len(parts)} parts after trio://, "
+                           "expected 3: <run-id>/<kind>/<name>", 400)
+    run, kind, name = (check_part(f"path {field}", part) for field, part in zip(("run id", "kind", "name"), parts))
+    for field, value, ok in (("run id", run, RUN_ID.fullmatch(run)), ("kind", kind, kind in KINDS),
+                             ("name", name, NAME.fullmatch(name))):
+        if not ok:
+            raise ServiceError("validation", f"path {field}: {value!r} in {path!r} is not valid", 400)
+    return run, kind, name
 
 
 def folder_size(folder: Path) -> int:

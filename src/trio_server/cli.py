@@ -1,4 +1,4 @@
-"""The service's ``trio`` commands: ``trio serve``, ``trio keys create``, ``trio tokenizers install``.
+"""The service's ``trio`` commands: ``trio serve``, ``trio keys create|list|revoke``, ``trio tokenizers install``.
 
 They live in the service package, not the SDK: they start or administer the server, and
 the SDK never imports the server (only ``pytrio.transport.local`` does, to run it
@@ -18,9 +18,11 @@ import re
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ENGINES = ("local", "ray")
+_LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_per_user")
 
 
 def _data_dir(value: str | None) -> Path:
@@ -60,6 +62,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace) -> None:
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):  # before the slow imports
+        sys.exit("trio serve: --ssl-certfile and --ssl-keyfile go together (got only one)")
     import uvicorn
 
     from .app import create_app
@@ -72,7 +76,7 @@ def serve(args: argparse.Namespace) -> None:
         log.warning("AUTHENTICATION IS OFF (--no-auth): anyone who reaches %s:%d acts as one", args.host, args.port)
         log.warning("shared user. Use this for localhost development only.")
         log.warning("=" * 72)
-    limits = Limits() if args.seq_gap_seconds is None else Limits(seq_gap_seconds=args.seq_gap_seconds)
+    limits = Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS if getattr(args, name) is not None})
     core = ServiceCore(
         _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits,
         engine=args.engine, ray_address=args.ray_address, device=args.device,
@@ -83,19 +87,40 @@ def serve(args: argparse.Namespace) -> None:
     # Bind here, so that --port 0 works: the line below tells which port the OS chose.
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    log.info("TRIO listening on http://%s:%d (pid %d)", host, port, os.getpid())
-    log.info("tinker SDK clients: TINKER_BASE_URL=http://%s:%d/tinker TINKER_API_KEY=tml-<key>", host, port)
-    config = uvicorn.Config(create_app(core, auth=not args.no_auth), log_level="warning")
+    scheme = "https" if args.ssl_certfile else "http"
+    log.info("TRIO listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
+    log.info("tinker SDK clients: TINKER_BASE_URL=%s://%s:%d/tinker TINKER_API_KEY=tml-<key>", scheme, host, port)
+    config = uvicorn.Config(create_app(core, auth=not args.no_auth), log_level="warning",
+                            ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def keys_create(args: argparse.Namespace) -> None:
+def _store(args: argparse.Namespace) -> Any:
     from .store import Store
 
     folder = _data_dir(args.data_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    store = Store(args.db or f"sqlite:///{folder / 'trio.db'}")
-    key = store.create_api_key(args.name)
+    return Store(args.db or f"sqlite:///{folder / 'trio.db'}")
+
+
+def keys_list(args: argparse.Namespace) -> None:
+    """One line per key: id (a hash prefix, not secret), name, created, revoked."""
+    print(f"{'ID':<14}{'NAME':<24}{'CREATED':<31}REVOKED")
+    for k in _store(args).list_api_keys():
+        print(f"{k['id']:<14}{k['name']:<24}{k['created_at']:<31}{k['revoked_at'] or '-'}")
+
+
+def keys_revoke(args: argparse.Namespace) -> None:
+    """Revoke a key by id or name; a running server refuses it from its next request."""
+    try:
+        key = _store(args).revoke_api_key(args.key)
+    except KeyError as exc:
+        sys.exit(f"trio keys revoke: {exc.args[0]}")
+    print(f"revoked key {key['id']} ({key['name']!r})")
+
+
+def keys_create(args: argparse.Namespace) -> None:
+    key = _store(args).create_api_key(args.name)
     print(key)
     print(f"# key {args.name!r} created; it is shown only this once. Use: export PYTRIO_API_KEY={key}", file=sys.stderr)
     print(f"# for the tinker SDK: export TINKER_API_KEY=tml-{key}", file=sys.stderr)
@@ -183,8 +208,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-gap-seconds", type=float, default=None,
                    help="how long a run's later requests wait for a sequence number that never "
                         "arrived before continuing without it (default 30)")
+    p.add_argument("--max-runs-per-user", type=int, metavar="N", help="quota: training runs per API key (default none)")
+    p.add_argument("--max-checkpoint-bytes-per-user", type=int, metavar="BYTES",
+                   help="quota: checkpoint bytes per API key; a save is refused once a user holds this many "
+                        "(default none)")
     p.add_argument("--device", type=device, default=os.environ.get("TRIO_DEVICE") or "auto",
                    help="auto|cpu|cuda|cuda:N; auto picks CUDA when available (default $TRIO_DEVICE or auto)")
+    p.add_argument("--ssl-certfile", metavar="PEM", help="serve HTTPS with this certificate (chain); needs --ssl-keyfile")
+    p.add_argument("--ssl-keyfile", metavar="PEM", help="the certificate's private key")
     p.add_argument("--no-auth", action="store_true", help="no API keys: localhost development only")
     p.set_defaults(func=serve)
 
@@ -194,6 +225,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--data-dir")
     k.add_argument("--db")
     k.set_defaults(func=keys_create)
+    k = keys.add_parser("list", help="list API keys: id, name, created, revoked (never the key)")
+    k.add_argument("--data-dir")
+    k.add_argument("--db")
+    k.set_defaults(func=keys_list)
+    k = keys.add_parser("revoke", help="revoke an API key; a running server refuses it at once")
+    k.add_argument("key", help="the key's id (from trio keys list) or its name")
+    k.add_argument("--data-dir")
+    k.add_argument("--db")
+    k.set_defaults(func=keys_revoke)
 
     tok = sub.add_parser("tokenizers", help="tokenizers for clients (the tinker SDK, tinker-cookbook)")
     tsub = tok.add_subparsers(dest="tokenizers_command", required=True)

@@ -51,7 +51,15 @@ KEEP_FINISHED_MAX = 10_000
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-request limits, reported by get_server_capabilities."""
+    """Per-request limits and per-user quotas, reported by get_server_capabilities.
+
+    Quotas (None: none) are checked when a request is submitted, before anything changes:
+    ``max_runs_per_user`` counts a user's runs plus their queued create requests;
+    ``max_checkpoint_bytes_per_user`` refuses a named save once the user's checkpoints
+    (ephemeral sampler weights included) already hold that many bytes. A checkpoint's size
+    is known only once written, so the last save allowed may overshoot by its own size.
+    Ephemeral saves are not refused: they are bounded by ``ephemeral_samplers_per_run``.
+    """
 
     max_tokens_per_request: int = 131_072
     max_seq_len: int = 8192
@@ -61,6 +69,8 @@ class Limits:
     max_sampler_adapters: int = 16  # LRU of loaded sampler weights per host
     seq_gap_seconds: float = 30.0  # how long a run's later requests wait for a missing one
     ephemeral_samplers_per_run: int = 8  # unnamed sampler weights a run keeps (older ones are removed)
+    max_runs_per_user: int | None = None
+    max_checkpoint_bytes_per_user: int | None = None
 
 
 @dataclass
@@ -315,7 +325,7 @@ class ServiceCore:
                 raise not_found(f"sampler {req.sampler_id!r}")
             item.context["sampler"] = sampler
             return sampler["base_model"]
-        run = self._run(item.user_id, req.model_id)
+        run = self._run(item.user_id, req.model_id, field="model_id")
         item.run_id, item.seq = run["run_id"], getattr(req, "seq", None)
         if isinstance(req, t.LoadWeightsRequest):
             item.context["checkpoint"] = self._checkpoint(item.user_id, req.path, kind="weights")
@@ -324,12 +334,16 @@ class ServiceCore:
     def _check_model(self, name: str) -> None:
         from trio_engine import ModelNotAvailableError
 
+        # Any name may resolve to the hub, and names become folder names (tokenizers/<org>--<name>):
+        # '..' would make that folder the data dir itself, which tokenizer_files replaces.
+        ckpt.check_part("base_model", name.replace("/", "--"), max_len=256)
         try:
             self.catalog.resolve(name)
         except ModelNotAvailableError as exc:
             raise ServiceError("validation", f"base_model: {exc}", 400) from None
 
-    def _run(self, user_id: str, run_id: str) -> dict:
+    def _run(self, user_id: str, run_id: str, field: str = "run_id") -> dict:
+        ckpt.check_part(field, run_id, max_len=64)  # a run id names a folder: 400 before any lookup
         run = self.store.get(runs_table, run_id=run_id)
         if run is None or run["user_id"] != user_id:
             raise not_found(f"training run {run_id!r}")
@@ -355,7 +369,21 @@ class ServiceCore:
         if item.seq < expected or queued:
             raise ServiceError("validation", f"seq: {item.seq} was already used for run {item.run_id} (next is {expected})", 409)
 
+    def _check_quotas(self, item: WorkItem) -> None:
+        """Called under ``self.lock``: queued creates are counted, so racing ones cannot all pass."""
+        req, lim = item.request, self.limits
+        if isinstance(req, t.CreateModelRequest | t.CreateModelFromStateRequest) and lim.max_runs_per_user is not None:
+            queued = sum(i.user_id == item.user_id and i.op in ("create_model", "create_model_from_state")
+                         for w in self.workers.values() for i in w.snapshot())
+            used = len(self.store.select(runs_table, user_id=item.user_id)) + queued
+            _quota("max_runs_per_user", "runs", used, lim.max_runs_per_user)
+        if (isinstance(req, t.SaveWeightsRequest) and req.kind != "ephemeral"
+                and lim.max_checkpoint_bytes_per_user is not None):
+            used = sum(r["size_bytes"] or 0 for r in self.store.select(checkpoints_table, user_id=item.user_id))
+            _quota("max_checkpoint_bytes_per_user", "checkpoint bytes", used, lim.max_checkpoint_bytes_per_user)
+
     def _check_limits(self, item: WorkItem) -> None:
+        self._check_quotas(item)
         req, lim = item.request, self.limits
         if isinstance(req, t.ForwardRequest):
             if len(req.data) > lim.max_batch_size:
@@ -436,6 +464,7 @@ class ServiceCore:
         return t.ServerCapabilities(
             supported_models=self.catalog.available(), max_tokens_per_request=lim.max_tokens_per_request,
             max_seq_len=lim.max_seq_len, max_batch_size=lim.max_batch_size, max_lora_rank=lim.max_lora_rank,
+            max_runs_per_user=lim.max_runs_per_user, max_checkpoint_bytes_per_user=lim.max_checkpoint_bytes_per_user,
         )
 
     def tokenizer_files(self, base_model: str) -> t.TokenizerFiles:
@@ -513,3 +542,10 @@ class ServiceCore:
     def close(self) -> None:
         for worker in list(self.workers.values()):
             worker.stop()
+
+
+def _quota(name: str, what: str, used: int, limit: int) -> None:
+    """A 403 (category validation: retrying will not help) when ``used`` reached ``limit``."""
+    if used >= limit:
+        raise ServiceError("validation", f"quota {name}: this user has {used} {what}, the limit is {limit}; "
+                           "delete checkpoints or ask the operator for more", 403)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import hmac
 import json
 import secrets
 from typing import Any
@@ -23,6 +24,7 @@ api_keys = sa.Table(
     sa.Column("user_id", sa.String(64), nullable=False),
     sa.Column("name", sa.String(128), nullable=False),
     sa.Column("created_at", sa.String(32), nullable=False),
+    sa.Column("revoked_at", sa.String(32)),  # set by ``trio keys revoke``; a revoked key is refused
 )
 runs = sa.Table(
     "runs", metadata,
@@ -84,6 +86,9 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
+KEY_ID_LEN = 12
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -97,7 +102,7 @@ class Store:
         if url.startswith("sqlite"):
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         metadata.create_all(self.engine)
-        self._users: dict[str, str] = {}
+        _add_missing_columns(self.engine)
 
     # -- api keys -------------------------------------------------------------------
     def create_api_key(self, name: str) -> str:
@@ -108,14 +113,47 @@ class Store:
         return key
 
     def user_for_key(self, key: str) -> str | None:
+        """The user of an unrevoked key, or None.
+
+        Looked up by the key's SHA-256, so the database never holds a secret and the
+        index lookup's timing depends only on the hash of what the caller sent: learning
+        which stored hashes share a prefix with it tells an attacker nothing about a key
+        (finding a preimage is the hard part). The hashes are still compared with
+        ``hmac.compare_digest``, so no code of ours compares secrets byte by byte. There
+        is no cache: ``trio keys revoke`` runs in another process, and a revoked key must
+        be refused by the very next request (one indexed SELECT per request is cheap).
+        """
         digest = hash_key(key)
-        if digest in self._users:  # keys are never revoked in place, so a hit stays valid
-            return self._users[digest]
         with self.engine.connect() as c:
-            row = c.execute(sa.select(api_keys.c.user_id).where(api_keys.c.key_hash == digest)).first()
-        if row:
-            self._users[digest] = row[0]
-        return row[0] if row else None
+            row = c.execute(sa.select(api_keys.c.key_hash, api_keys.c.user_id, api_keys.c.revoked_at)
+                            .where(api_keys.c.key_hash == digest)).first()
+        if row is None or not hmac.compare_digest(row.key_hash, digest) or row.revoked_at is not None:
+            return None
+        return str(row.user_id)
+
+    def list_api_keys(self) -> list[dict]:
+        """Every key as {id, name, user_id, created_at, revoked_at}; ``id`` is the first
+        12 hex digits of the key's hash: a handle for revoking, useless for signing in."""
+        rows = self.select(api_keys, order_by="created_at")
+        return [{"id": r["key_hash"][:KEY_ID_LEN], "name": r["name"], "user_id": r["user_id"],
+                 "created_at": r["created_at"], "revoked_at": r["revoked_at"]} for r in rows]
+
+    def revoke_api_key(self, id_or_name: str) -> dict:
+        """Revoke the one key whose id (or id prefix) or name is ``id_or_name``.
+
+        Raises:
+            KeyError: no key, or several, match (the message says which).
+        """
+        keys = self.list_api_keys()
+        found = [k for k in keys if k["id"] == id_or_name] or [k for k in keys if k["name"] == id_or_name]
+        if len(found) != 1:
+            ids = ", ".join(k["id"] for k in found)
+            raise KeyError(f"key {id_or_name!r}: " + (f"matches {len(found)} keys ({ids}); revoke by id"
+                                                      if found else "no key has this id or name"))
+        with self.engine.begin() as c:
+            c.execute(api_keys.update().where(api_keys.c.key_hash.startswith(found[0]["id"]))
+                      .values(revoked_at=found[0]["revoked_at"] or now()))
+        return found[0]
 
     # -- generic helpers --------------------------------------------------------------
     def insert(self, table: sa.Table, **values: Any) -> None:
@@ -193,6 +231,14 @@ class Store:
                 .values(status="failed", error_category="server", error_message=message)
             )
         return pending
+
+
+def _add_missing_columns(engine: sa.Engine) -> None:
+    """Columns added since a database was created (create_all adds only tables)."""
+    have = {c["name"] for c in sa.inspect(engine).get_columns("api_keys")}
+    if "revoked_at" not in have:
+        with engine.begin() as c:
+            c.execute(sa.text("ALTER TABLE api_keys ADD COLUMN revoked_at VARCHAR(32)"))
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
