@@ -34,6 +34,9 @@ from pydantic import (
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
+INT64_MAX = 2**63 - 1  # the widest integer the store (SQLite, Postgres BIGINT) keeps
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=False)
 
@@ -373,7 +376,7 @@ class LogMetricsRequest(_Model):
     ``step`` None: the run's current step (its number of optim_steps so far).
     """
 
-    step: Annotated[int, Strict()] | None = Field(default=None, ge=0)
+    step: Annotated[int, Strict()] | None = Field(default=None, ge=0, le=INT64_MAX)
     metrics: dict[MetricName, MetricValue] = Field(min_length=1, max_length=MAX_METRICS_PER_CALL)
 
 
@@ -449,7 +452,7 @@ class CreateModelFromStateRequest(_Model):
 
 class _RunRequest(_Model):
     model_id: str
-    seq: int = Field(ge=0)
+    seq: int = Field(ge=0, le=INT64_MAX)  # stored as a 64-bit integer
 
 
 class ForwardRequest(_RunRequest):
