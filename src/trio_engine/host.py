@@ -115,7 +115,7 @@ class ModelHost:
 
     def create_adapter(self, adapter_id: str, config: lora.LoraConfig) -> None:
         if adapter_id in self.adapters:
-            raise ValueError(f"adapter_id: {adapter_id!r} already exists")
+            raise InvalidInputError(f"adapter_id: {adapter_id!r} already exists")
         lora.add_adapter(self.model, adapter_id, config)
         self.adapters[adapter_id] = Adapter(config)
 

@@ -47,3 +47,30 @@ def test_an_exception_escaping_execute_fails_the_batch_not_the_worker(core, monk
         tc.forward([datum()]).result(timeout=120)
     assert core.workers[MODEL].thread.is_alive()
     assert tc.forward([datum()]).result(timeout=120).metrics["loss:sum"] > 0  # the next request runs
+
+
+def test_an_engine_error_is_a_server_error_with_its_request_id_logged(core, monkeypatch, caplog):
+    tc = client(core).create_lora_training_client(base_model=MODEL, rank=2)
+    host = core.workers[MODEL].engine.host
+
+    def broken(jobs):
+        raise ValueError("a shape mismatch deep in the engine")  # a ValueError, yet not the caller's fault
+
+    monkeypatch.setattr(host, "forward", broken)
+    with caplog.at_level("ERROR", logger="trio"), pytest.raises(trio.ServerError) as info:
+        tc.forward([datum()]).result(timeout=120)
+    assert info.value.status_code == 500 and info.value.category == "server"
+    assert "shape mismatch" in info.value.message
+    assert info.value.request_id and any(
+        info.value.request_id in r.getMessage() and "server error" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_input_stays_a_validation_error_naming_field_index_and_value(core):
+    tc = client(core).create_lora_training_client(base_model=MODEL, rank=2)
+    bad = trio.Datum(model_input=trio.ModelInput.from_ints([1, 2, 3]),
+                     loss_fn_inputs={"target_tokens": [2, 3, 10**6]})
+    with pytest.raises(trio.ValidationError) as info:
+        tc.forward([datum(), bad]).result(timeout=120)
+    assert info.value.status_code == 400
+    assert "data[1]" in info.value.message and "target_tokens" in info.value.message
+    assert "1000000" in info.value.message
