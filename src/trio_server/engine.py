@@ -293,7 +293,8 @@ class LocalEngine:
         if valid:
             run = host.forward_backward if backward else host.forward
             try:
-                outs: list[ForwardResult | Failure] = list(run(list(valid.values())))
+                outs: list[ForwardResult | Failure] = [
+                    failure_from(o) if isinstance(o, Exception) else o for o in run(list(valid.values()))]
             except Exception as exc:
                 log.exception("forward%s failed", "_backward" if backward else "")
                 outs = [failure_from(exc)] * len(valid)

@@ -74,3 +74,107 @@ def test_bad_input_stays_a_validation_error_naming_field_index_and_value(core):
     assert info.value.status_code == 400
     assert "data[1]" in info.value.message and "target_tokens" in info.value.message
     assert "1000000" in info.value.message
+
+
+# -- one failing job in a co-batch ---------------------------------------------------
+
+
+def rl_datum(n: int = 6, logprob: float = -1.0, advantage: float = 1.0) -> trio.Datum:
+    return datum(n, logprobs=[logprob] * n, advantages=[advantage] * n)
+
+
+# exp(logp - (-1e38)) overflows to inf, and inf * advantage 0 is NaN: a finite input, a NaN loss
+NAN_DATUM = rl_datum(logprob=-1e38, advantage=0.0)
+
+
+def co_batch(core, calls):
+    """Each call (training client, data) submitted while the worker is held, so they all run
+    as one forward_backward pass (as in test_core's co-batch test: no timing involved)."""
+    from ..polling import wait_until
+
+    worker = core.workers[MODEL]
+    seen: list[int] = []
+    real = worker.engine.forward_backward
+    worker.engine.forward_backward = lambda jobs: (seen.append(len(jobs)), real(jobs))[1]
+    try:
+        with worker.engine.host.lock:
+            blocker = calls[0][0].forward([datum()])
+            wait_until(lambda: bool(worker.running), "the blocker to run")
+            futures = [tc.forward_backward(data, "importance_sampling") for tc, data in calls]
+            wait_until(lambda: len(worker.snapshot()) == len(calls), "all to queue")
+        blocker.result()
+        outcomes = []
+        for f in futures:
+            try:
+                outcomes.append(f.result(timeout=120))
+            except trio.TrioError as exc:
+                outcomes.append(exc)
+    finally:
+        worker.engine.forward_backward = real
+    assert seen == [len(calls)], seen
+    return outcomes
+
+
+def trainers(core, n: int, seed: int = 3):
+    svc = client(core)
+    return [svc.create_lora_training_client(base_model=MODEL, rank=2, seed=seed) for _ in range(n)]
+
+
+def after_step(tc) -> list[float]:
+    tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result(timeout=120)
+    return tc.forward([datum()]).result(timeout=120).loss_fn_outputs[0]["logprobs"].tolist()
+
+
+def test_a_nan_loss_fails_only_its_own_request_in_a_co_batch(core):
+    good = [rl_datum(), rl_datum(4, advantage=-0.5)]
+    ref = trainers(core, 1)[0]  # the good run's request alone
+    alone = ref.forward_backward(good, "importance_sampling").result(timeout=120)
+    alone_after = after_step(ref)
+
+    healthy, poisoned, other = trainers(core, 3)
+    outcomes = co_batch(core, [(healthy, good), (poisoned, [rl_datum(), NAN_DATUM]), (other, good)])
+    assert isinstance(outcomes[1], trio.ValidationError), outcomes[1]
+    assert "data[1]" in outcomes[1].message and "non-finite loss" in outcomes[1].message
+    assert "-1e+38" in outcomes[1].message  # the value that caused it
+    for out in (outcomes[0], outcomes[2]):
+        assert out.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-5)
+        for a, b in zip(out.loss_fn_outputs, alone.loss_fn_outputs):
+            assert a["logprobs"].tolist() == pytest.approx(b["logprobs"].tolist(), abs=1e-5)
+    for tc in (healthy, other):  # their grads: those of the request alone, not NaN
+        assert after_step(tc) == pytest.approx(alone_after, abs=1e-5)
+    # the failed request added nothing: its run trains on as if it never came
+    before = poisoned.forward([datum()]).result(timeout=120).loss_fn_outputs[0]["logprobs"].tolist()
+    assert after_step(poisoned) == pytest.approx(before, abs=1e-6)  # Adam on zero grads: no change
+
+
+def test_an_exception_for_one_datum_fails_only_its_own_job(core, monkeypatch):
+    import torch
+
+    from trio_engine import Example, ForwardJob, losses
+    from trio_server.engine import Failure
+
+    def explode(logp, inputs, config):  # raises for a datum weighted 7: a bug hit by one run's data
+        if bool((inputs["weights"] == 7).any()):
+            raise RuntimeError("the loss blew up on this datum")
+        return losses.cross_entropy(logp, inputs, config)
+
+    monkeypatch.setitem(losses.LOSSES, "explode", losses.LossSpec(explode, ()))
+    ref, good, bad, other = (tc.model_id for tc in trainers(core, 4, seed=5))
+    engine = core.workers[MODEL].engine
+    host = engine.host
+    ex = Example([1, 2, 3, 4], {"target_tokens": [2, 3, 4, 5]})
+    boom = Example([1, 2, 3], {"target_tokens": [2, 3, 4], "weights": [7.0, 7.0, 7.0]})
+
+    [alone] = engine.forward_backward([ForwardJob(ref, [ex, ex], "explode")])
+    outs = engine.forward_backward([ForwardJob(good, [ex, ex], "explode"), ForwardJob(bad, [ex, boom], "explode"),
+                                    ForwardJob(other, [ex, ex], "explode")])
+    assert isinstance(outs[1], Failure) and outs[1].category == "server" and "blew up" in outs[1].message
+    for out in (outs[0], outs[2]):
+        assert sum(out.logprobs, []) == pytest.approx(sum(alone.logprobs, []), abs=1e-6)
+        assert out.metrics == pytest.approx(alone.metrics)
+    expected = host.adapter_params(ref)
+    for run in (good, other):
+        for name, p in host.adapter_params(run).items():
+            assert expected[name].grad is not None and p.grad is not None
+            assert torch.allclose(p.grad, expected[name].grad, atol=1e-6), name
+    assert all(p.grad is None or not p.grad.any() for p in host.adapter_params(bad).values())
