@@ -38,7 +38,9 @@ INT64_MAX = 2**63 - 1  # the widest integer the store (SQLite, Postgres BIGINT) 
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=False)
+    # NaN and infinities go out as the JSON constants Python's json reads back, not as null:
+    # a NaN logprob or metric is a value the user must see, and null failed to parse.
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=False, ser_json_inf_nan="constants")
 
 
 # --------------------------------------------------------------------------- tensors

@@ -4,6 +4,8 @@ failing job in a co-batch leaves the other runs' results exactly as if they ran 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import pytrio as trio
@@ -178,3 +180,16 @@ def test_an_exception_for_one_datum_fails_only_its_own_job(core, monkeypatch):
             assert expected[name].grad is not None and p.grad is not None
             assert torch.allclose(p.grad, expected[name].grad, atol=1e-6), name
     assert all(p.grad is None or not p.grad.any() for p in host.adapter_params(bad).values())
+
+
+def test_a_forward_with_a_nan_loss_reports_it_over_http(tmp_path):
+    # forward trains nothing, so a NaN loss is an answer, not a failure; it used to go out as
+    # null and the client could not parse the result
+    from ..sdk.conftest import core_server
+
+    with core_server(tmp_path) as server:
+        svc = trio.ServiceClient(base_url=server.url, api_key=server.core.store.create_api_key("t"))
+        tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+        out = tc.forward([rl_datum(), NAN_DATUM], "importance_sampling").result(timeout=120)
+    assert math.isnan(out.metrics["loss:sum"])
+    assert all(math.isfinite(v) for v in out.loss_fn_outputs[0]["elementwise_loss"].tolist())
