@@ -18,7 +18,7 @@ import pytrio as trio
 from ..sdk.conftest import core_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.fuzz import MODEL, fuzz  # noqa: E402
+from benchmarks.fuzz import MODEL, async_server_failures, fuzz  # noqa: E402
 
 CASES_PER_OPERATION = 15  # ~50 operations: about 30 s on 2 cores
 
@@ -36,6 +36,7 @@ def key(server) -> str:
 def test_no_operation_answers_5xx_or_hangs(server):
     report = fuzz(server.url, key(server), CASES_PER_OPERATION, timeout=60)
     assert report.failures == []
+    assert async_server_failures(server.core) == []  # accepted, then failed inside: a hidden 5xx
     assert report.cases >= len(report.operations) and len(report.operations) >= 40
     assert len(report.reached) >= 30, sorted(set(report.operations) - report.reached)
     assert httpx.get(server.url + "/api/v1/healthz").json() == {"status": "ok"}
