@@ -82,6 +82,7 @@ def seed_objects(url: str, api_key: str) -> dict[str, list]:
         "sampler_id": [getattr(sampler, "sampler_id", None)],
         "sampling_session_id": [getattr(sampler, "sampler_id", None)],
         "request_id": [request_id],
+        "session_id": [_tinker_session(url, api_key)],
         "tokens": [[1, 2, 3]], "prompt": ["hello"],
         "data": [[datum.model_dump(mode="json")]], "loss_fn": ["cross_entropy"],
     }
@@ -95,6 +96,13 @@ def _submit_one(url: str, api_key: str, run_id: str) -> str | None:
     r = httpx.post(url + "/api/v1/get_info", json={"model_id": run_id},
                    headers={"Authorization": f"Bearer {api_key}"}, timeout=60)
     return r.json().get("request_id") if r.status_code == 200 else None
+
+
+def _tinker_session(url: str, api_key: str) -> str | None:
+    import httpx
+
+    r = httpx.post(url + "/tinker/api/v1/create_session", json={}, headers={"X-API-Key": f"tml-{api_key}"}, timeout=60)
+    return r.json().get("session_id") if r.status_code == 200 else None
 
 
 def _with_known(case, known: dict[str, list], data) -> None:
