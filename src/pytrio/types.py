@@ -35,8 +35,13 @@ from pydantic import (
 CHECKPOINT_NAME = re.compile(r"^(?!.*\.\.)[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
 
 
+INT64_MAX = 2**63 - 1  # the widest integer the store (SQLite, Postgres BIGINT) keeps
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=False)
+    # NaN and infinities go out as the JSON constants Python's json reads back, not as null:
+    # a NaN logprob or metric is a value the user must see, and null failed to parse.
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=False, ser_json_inf_nan="constants")
 
 
 # --------------------------------------------------------------------------- tensors
@@ -376,7 +381,7 @@ class LogMetricsRequest(_Model):
     ``step`` None: the run's current step (its number of optim_steps so far).
     """
 
-    step: Annotated[int, Strict()] | None = Field(default=None, ge=0)
+    step: Annotated[int, Strict()] | None = Field(default=None, ge=0, le=INT64_MAX)
     metrics: dict[MetricName, MetricValue] = Field(min_length=1, max_length=MAX_METRICS_PER_CALL)
 
 
@@ -452,7 +457,7 @@ class CreateModelFromStateRequest(_Model):
 
 class _RunRequest(_Model):
     model_id: str
-    seq: int = Field(ge=0)
+    seq: int = Field(ge=0, le=INT64_MAX)  # stored as a 64-bit integer
 
 
 class ForwardRequest(_RunRequest):

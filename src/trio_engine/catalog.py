@@ -108,6 +108,8 @@ class Catalog:
     def resolve(self, name: str) -> ModelSource:
         """The source for ``name``; raises ModelNotAvailableError if it cannot load here."""
         source = self.sources.get(name) or ModelSource(name=name, kind="hub")
+        if source.kind == "hub":
+            _check_hub_name(name)
         if source.kind == "hub" and not _hub_cached(name) and not _hub_reachable():
             raise ModelNotAvailableError(
                 f"base_model {name!r} is not available: it is not in the local Hugging Face "
@@ -125,6 +127,19 @@ def _folders_from_env() -> dict[str, str]:
     spec = os.environ.get("TRIO_MODELS", "")
     pairs = (item.split("=", 1) for item in spec.split(",") if "=" in item)
     return {name.strip(): path.strip() for name, path in pairs}
+
+
+def _check_hub_name(name: str) -> None:
+    """A name the hub client would reject (empty, spaces, '..') is the caller's mistake: say so,
+    before huggingface_hub raises its own HFValidationError from deep inside a lookup."""
+    try:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:
+        return
+    try:
+        validate_repo_id(name)
+    except HFValidationError as exc:
+        raise ModelNotAvailableError(f"base_model {name!r} is not a valid model name: {exc}") from None
 
 
 def _hub_cached(name: str) -> bool:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .errors import InvalidInputError
 from .lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, LoraConfig
 from .optim import AdamState
 
@@ -67,13 +68,13 @@ def load_training_state(folder: str | Path, with_optimizer: bool) -> TrainingSta
         raise FileNotFoundError(f"no training state at {folder}")
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"path: unsupported checkpoint format {meta.get('format')!r}")
+        raise InvalidInputError(f"path: unsupported checkpoint format {meta.get('format')!r}")
     config = LoraConfig(**meta["lora_config"])
     weights = load_file(folder / "adapter.safetensors", device="cpu")
     optim = None
     if with_optimizer:
         if meta["optimizer_step"] is None:
-            raise ValueError(f"path: checkpoint at {folder} was saved without optimizer state")
+            raise InvalidInputError(f"path: checkpoint at {folder} was saved without optimizer state")
         moments = load_file(folder / "optimizer.safetensors", device="cpu")
         optim = AdamState(
             step=int(meta["optimizer_step"]),

@@ -115,7 +115,7 @@ class ModelHost:
 
     def create_adapter(self, adapter_id: str, config: lora.LoraConfig) -> None:
         if adapter_id in self.adapters:
-            raise ValueError(f"adapter_id: {adapter_id!r} already exists")
+            raise InvalidInputError(f"adapter_id: {adapter_id!r} already exists")
         lora.add_adapter(self.model, adapter_id, config)
         self.adapters[adapter_id] = Adapter(config)
 
@@ -229,20 +229,66 @@ class ModelHost:
 
     # -- forward / backward -----------------------------------------------------------
 
-    def forward(self, jobs: list[ForwardJob]) -> list[ForwardResult]:
-        """Logprobs and losses, no gradients."""
-        return self._run(jobs, backward=False)
+    def forward(self, jobs: list[ForwardJob]) -> list[ForwardResult | Exception]:
+        """Logprobs and losses, no gradients. One outcome per job (see ``forward_backward``)."""
+        return self._isolated(jobs, backward=False)
 
-    def forward_backward(self, jobs: list[ForwardJob]) -> list[ForwardResult]:
-        """Like ``forward``, and add d(sum of losses)/d(adapter) to each adapter's grads."""
-        return self._run(jobs, backward=True)
+    def forward_backward(self, jobs: list[ForwardJob]) -> list[ForwardResult | Exception]:
+        """Like ``forward``, and add d(sum of losses)/d(adapter) to each adapter's grads.
 
-    def _run(self, jobs: list[ForwardJob], backward: bool) -> list[ForwardResult]:
+        Jobs of different runs share one pass. A job that fails (an exception, or a
+        non-finite loss, which would poison its adapter's grads) gets its exception as its
+        outcome and adds no gradient; the others' outcomes and grads are then exactly those
+        of each job run alone: every grad goes back to where it was before the call and
+        each job runs again on its own. Invalid jobs raise before anything runs.
+        """
+        return self._isolated(jobs, backward=True)
+
+    def _isolated(self, jobs: list[ForwardJob], backward: bool) -> list[ForwardResult | Exception]:
         for job in jobs:
             self.validate_job(job)
+        with self.lock:
+            saved = self._save_grads(jobs) if backward else {}
+            try:
+                results = self._run(jobs, backward)
+                failed = any(backward and _non_finite(job, r) for job, r in zip(jobs, results))
+            except Exception:
+                if len(jobs) == 1:
+                    self._restore_grads(saved)
+                    raise
+                failed = True
+            if not failed:
+                return list(results)
+            self._restore_grads(saved)
+            return [self._alone(job, backward) for job in jobs]
+
+    def _alone(self, job: ForwardJob, backward: bool) -> ForwardResult | Exception:
+        """One job on its own; on failure its grads are left as they were and it gets its error."""
+        saved = self._save_grads([job]) if backward else {}
+        try:
+            [result] = self._run([job], backward)
+            error: Exception | None = _non_finite(job, result) if backward else None
+        except Exception as exc:
+            error = exc
+        if error is None:
+            return result
+        self._restore_grads(saved)
+        return error
+
+    def _save_grads(self, jobs: list[ForwardJob]) -> dict[str, dict[str, torch.Tensor | None]]:
+        ids = {job.adapter_id for job in jobs if job.adapter_id is not None}
+        return {a: {n: None if p.grad is None else p.grad.clone() for n, p in self.adapter_params(a).items()}
+                for a in ids}
+
+    def _restore_grads(self, saved: dict[str, dict[str, torch.Tensor | None]]) -> None:
+        for adapter_id, grads in saved.items():
+            for name, p in self.adapter_params(adapter_id).items():
+                p.grad = grads[name]
+
+    def _run(self, jobs: list[ForwardJob], backward: bool) -> list[ForwardResult]:
         rows = [(j, i) for j, job in enumerate(jobs) for i in range(len(job.examples))]
         outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, dict]] = {}
-        with self.lock, torch.set_grad_enabled(backward):
+        with torch.set_grad_enabled(backward):
             for micro in self._micro_batches(jobs, rows):
                 outputs.update(self._run_micro_batch(jobs, micro, backward))
         return [self._collect(j, job, outputs) for j, job in enumerate(jobs)]
@@ -364,7 +410,9 @@ class ModelHost:
         job = ForwardJob(adapter_id, [Example(tokens[:-1], {"target_tokens": tokens[1:]})])
         if len(tokens) == 1:
             return [None]
-        return [None, *self.forward([job])[0].logprobs[0]]
+        with self.lock:
+            [result] = self._run([job], backward=False)  # one job: an error raises
+        return [None, *result.logprobs[0]]
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -459,6 +507,20 @@ def split_by_length(lengths: list[int], budget: int) -> list[int]:
         ends.append(k)
         k = cut[k]
     return ends[::-1]
+
+
+def _non_finite(job: ForwardJob, result: ForwardResult) -> InvalidInputError | None:
+    """The error for the first datum whose loss is NaN or infinite (naming its inputs there)."""
+    for i, losses in enumerate(result.elementwise_loss):
+        t = next((t for t, v in enumerate(losses) if not math.isfinite(v)), None)
+        if t is not None:
+            ex = job.examples[i]
+            values = {name: ex.inputs[name][t] for name in sorted(ex.inputs)}
+            return InvalidInputError(
+                f"data[{i}]: loss_fn {job.loss_fn!r} gave a non-finite loss ({losses[t]}) at token {t}, "
+                f"where loss_fn_inputs are {values}; nothing was added to the gradients",
+                i, "loss_fn_inputs")
+    return None
 
 
 def _loss_inputs(ex: Example, n: int, device: torch.device) -> dict[str, torch.Tensor]:

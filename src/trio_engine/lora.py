@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .errors import InvalidInputError
+
 # α is fixed rather than tied to rank, as in "LoRA Without Regret" (Schulman et al.,
 # 2025): with scale α/r, the optimal learning rate is nearly rank-independent.
 LORA_ALPHA = 32.0
@@ -49,9 +51,9 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_RANK:
-            raise ValueError(f"rank: must be an integer in [1, {MAX_RANK}], got {self.rank!r}")
+            raise InvalidInputError(f"rank: must be an integer in [1, {MAX_RANK}], got {self.rank!r}")
         if not (self.train_attn or self.train_mlp or self.train_unembed):
-            raise ValueError(
+            raise InvalidInputError(
                 "train_attn, train_mlp, train_unembed: at least one must be true, got all false"
             )
 

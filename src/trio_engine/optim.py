@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import InvalidInputError
+
 
 @dataclass(frozen=True)
 class AdamConfig:
@@ -41,7 +43,7 @@ class AdamConfig:
         for name, ok in checks.items():
             value = getattr(self, name)
             if not ok or not math.isfinite(value):
-                raise ValueError(f"adam_params.{name}: invalid value {value!r}")
+                raise InvalidInputError(f"adam_params.{name}: invalid value {value!r}")
 
 
 @dataclass

@@ -31,8 +31,10 @@ from trio_engine import (
     Catalog,
     ForwardJob,
     ForwardResult,
+    InvalidInputError,
     LoraConfig,
     ModelHost,
+    ModelNotAvailableError,
     SampleRequest,
     SampleResult,
 )
@@ -85,7 +87,9 @@ def failure_from(exc: BaseException) -> Failure:
     if isinstance(exc, AdapterNotFoundError):
         return Failure("not_found", "the run's weights are not loaded on this server and it has no "
                        "snapshot to resume from; create a client from a saved checkpoint")
-    if isinstance(exc, ValueError | FileNotFoundError):
+    # Only the engine's own input errors are the caller's fault. Any other exception, a
+    # ValueError from deep inside torch or numpy included, is ours: a 500, logged.
+    if isinstance(exc, InvalidInputError | ModelNotAvailableError | FileNotFoundError):
         return Failure("validation", str(exc))
     return Failure("server", f"{type(exc).__name__}: {exc}")
 
@@ -289,7 +293,8 @@ class LocalEngine:
         if valid:
             run = host.forward_backward if backward else host.forward
             try:
-                outs: list[ForwardResult | Failure] = list(run(list(valid.values())))
+                outs: list[ForwardResult | Failure] = [
+                    failure_from(o) if isinstance(o, Exception) else o for o in run(list(valid.values()))]
             except Exception as exc:
                 log.exception("forward%s failed", "_backward" if backward else "")
                 outs = [failure_from(exc)] * len(valid)

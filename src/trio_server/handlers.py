@@ -86,6 +86,9 @@ def execute(ctx: Context, batch: list[WorkItem]) -> list[Result]:
             result.elapsed_time = elapsed
         log.info("request=%s run=%s op=%s ms=%.0f tokens=%d status=%s", item.request_id, item.run_id or "-",
                  item.op, elapsed, _tokens(item), "failed" if error else "done")
+        if error is not None and error.category == "server":  # ours, not the caller's: find it by request id
+            log.error("request=%s run=%s op=%s server error: %s", item.request_id, item.run_id or "-", item.op,
+                      error.message)
     return results
 
 

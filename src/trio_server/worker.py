@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .errors import ServiceError
 from .handlers import Context, Result, execute
 from .scheduler import WorkItem, next_batch, stalled_runs
 
@@ -81,7 +82,7 @@ class HostWorker:
                 self._offload_idle()
                 continue
             try:
-                results = execute(self.ctx, batch)
+                results = self._execute(batch)
                 for item in batch:
                     run_id = item.run_id or item.context.get("run_id")  # create_model names its run here
                     if run_id is not None:
@@ -91,6 +92,17 @@ class HostWorker:
             finally:
                 with self.cond:
                     self.running.difference_update(i.request_id for i in batch)
+
+    def _execute(self, batch: list[WorkItem]) -> list[Result]:
+        """``execute``, except that a bug escaping it fails this batch's requests with a server
+        error instead of ending the thread (which would leave every later request waiting)."""
+        try:
+            return execute(self.ctx, batch)
+        except Exception as exc:
+            ids = ",".join(item.request_id for item in batch)
+            log.exception("requests=%s op=%s: unexpected error; failing the batch", ids, batch[0].op)
+            error = ServiceError("server", f"internal error running {batch[0].op}: {type(exc).__name__}: {exc}", 500)
+            return [(None, error)] * len(batch)
 
     def _schedule(self) -> list[WorkItem] | None:
         """The next batch (empty after a second of nothing to do); None once stopped."""
