@@ -32,13 +32,14 @@ MAX_PATH = 512  # the checkpoints table's key
 
 def check_part(field: str, value: str, max_len: int = MAX_PART) -> str:
     """``value`` if it is safe as one file name; else a 400 naming ``field`` and ``value``."""
-    problem = _unsafe(value, max_len)
+    problem = unsafe_reason(value, max_len)
     if problem:
         raise ServiceError("validation", f"{field}: {value[:200]!r} {problem}", 400)
     return value
 
 
-def _unsafe(value: str, max_len: int) -> str | None:
+def unsafe_reason(value: str, max_len: int = MAX_PART) -> str | None:
+    """Why ``value`` is not safe as one file name (e.g. "contains '..'"), or None."""
     if not isinstance(value, str) or not value:
         return "is empty"
     if len(value) > max_len:

@@ -336,7 +336,9 @@ class ServiceCore:
 
         # Any name may resolve to the hub, and names become folder names (tokenizers/<org>--<name>):
         # '..' would make that folder the data dir itself, which tokenizer_files replaces.
-        ckpt.check_part("base_model", name.replace("/", "--"), max_len=256)
+        problem = ckpt.unsafe_reason(name.replace("/", "--"), max_len=256)
+        if problem:
+            raise ServiceError("validation", f"base_model: {name[:200]!r} {problem}", 400)
         try:
             self.catalog.resolve(name)
         except ModelNotAvailableError as exc:
