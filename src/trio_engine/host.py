@@ -260,6 +260,8 @@ class ModelHost:
             if not failed:
                 return list(results)
             self._restore_grads(saved)
+            if len(jobs) == 1:  # that pass was the job alone: its error is known, no second run
+                return [_non_finite(jobs[0], results[0]) or results[0]]
             return [self._alone(job, backward) for job in jobs]
 
     def _alone(self, job: ForwardJob, backward: bool) -> ForwardResult | Exception:
