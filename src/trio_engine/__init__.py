@@ -7,12 +7,12 @@ from .errors import AdapterNotFoundError, InvalidInputError
 from .host import Example, ForwardJob, ForwardResult, ModelHost
 from .lora import LORA_ALPHA, LoraConfig
 from .optim import AdamConfig
-from .sampler import SampleRequest, SampleResult, SamplingConfig
+from .sampler import DecodeBatch, SampleRequest, SampleResult, SamplingConfig
 
 __all__ = [
     "DEFAULT_MODEL", "TINY_LLAMA", "TINY_QWEN3", "Catalog", "ModelNotAvailableError",
     "resolve_device", "resolve_dtype",
     "AdapterNotFoundError", "Example", "ForwardJob", "ForwardResult", "InvalidInputError",
-    "ModelHost", "LORA_ALPHA", "LoraConfig", "AdamConfig", "SampleRequest", "SampleResult",
+    "ModelHost", "LORA_ALPHA", "LoraConfig", "AdamConfig", "DecodeBatch", "SampleRequest", "SampleResult",
     "SamplingConfig",
 ]

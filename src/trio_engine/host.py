@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -401,6 +401,23 @@ class ModelHost:
             self.validate_sample(req, k)
         with self.lock, torch.no_grad():
             return sampler.generate(self, requests)
+
+    def decode_batch(self) -> sampler.DecodeBatch:
+        """An empty running decode batch on this host (continuous batching; see ``admit``)."""
+        return sampler.DecodeBatch(self)
+
+    def admit(self, batch: sampler.DecodeBatch, requests: list[sampler.SampleRequest],
+              tickets: list[Hashable]) -> None:
+        """Validate ``requests`` (all, before anything runs), then prefill them into ``batch``."""
+        for k, req in enumerate(requests):
+            self.validate_sample(req, k)
+        with self.lock, torch.no_grad():
+            batch.admit(requests, tickets)
+
+    def decode_step(self, batch: sampler.DecodeBatch) -> list[tuple[Hashable, sampler.SampleResult]]:
+        """One decode step of ``batch``: the (ticket, result) of each request that finished."""
+        with self.lock, torch.no_grad():
+            return batch.step()
 
     def compute_logprobs(self, adapter_id: str | None, tokens: list[int]) -> list[float | None]:
         """log p(token_t | tokens_<t) for each prompt token; None for the first."""

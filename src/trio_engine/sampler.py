@@ -4,6 +4,10 @@
     expand:   the cache rows repeat for each request's num_samples     -> cache (R, ...)
     decode:   one token for every live row per step; finished rows leave the batch
 
+``DecodeBatch`` runs these steps one at a time, so requests can join a running batch
+between steps (continuous batching: prefill them apart, merge their cache in) and a
+finished request leaves at once; ``generate`` admits everything and steps to the end.
+
 Sampling is a pure chain over fp32 logits (temperature -> top-k -> top-p -> draw) with
 one seeded ``torch.Generator`` per request, so a seed gives the same output whatever
 else shares the batch (on one kind of device: CPU and CUDA generators draw different
@@ -21,6 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 import secrets
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,58 +128,204 @@ def validate_request(req: SampleRequest, k: int, vocab_size: int, max_seq_len: i
 
 
 @dataclass
+class _Admitted:
+    """One request in a decode batch: its generator, rows, and rows still decoding."""
+
+    ticket: Hashable
+    request: SampleRequest
+    gen: torch.Generator
+    prompt_logprobs: list[float | None] | None
+    rows: list[_Row] = field(default_factory=list)
+    decoding: int = 0
+
+
+@dataclass
 class _Row:
-    request: int  # index into requests, and into the prefill batch (one prompt row each)
+    owner: _Admitted
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str = ""
 
 
-def generate(host: SamplingHost, requests: list[SampleRequest]) -> list[SampleResult]:
-    """Sample every request's ``num_samples`` sequences; requests must be validated."""
-    dev = host.device
-    cache = DynamicCache()
-    hidden, mask = _prefill(host, requests, cache)  # (P, H) last prompt position, (P, L)
-    prompt_lp = [host.compute_logprobs(r.adapter_id, r.prompt) if r.prompt_logprobs else None for r in requests]
-    rows = [_Row(k) for k, r in enumerate(requests) for _ in range(r.num_samples)]
-    index = torch.tensor([row.request for row in rows], device=dev)  # (R,)
-    cache.batch_select_indices(index)  # share each prompt's prefill across its samples
-    hidden, mask = hidden[index], mask[index]
-    gens = [_generator(r.config.seed, dev) for r in requests]
-    eos = _eos_ids(host)
+class DecodeBatch:
+    """A running decode batch that requests join and leave between steps (continuous batching).
 
-    live = list(range(len(rows)))
-    adapters = [requests[row.request].adapter_id for row in rows]  # of the live rows
-    while live:
-        logits = _logits(host, hidden, adapters)  # (R, V) fp32
-        tokens = _draw(logits, [rows[i] for i in live], requests, gens)  # (R,)
+    ``admit`` prefills new prompts (each prompt once, its ``num_samples`` rows sharing that
+    prefill) into a cache of their own, then merges it into the running one; ``step``
+    draws one token for every live row and returns the requests whose rows all finished,
+    which leave the batch at once. Between steps the state is, for every live row: its KV
+    cache up to and including its newest token, and the hidden state of that token.
+
+    Rows of different lengths share one cache by left padding: ``mask`` (R, L) marks the
+    real positions, a row's position ids count its real tokens only, so padding changes
+    no row's numbers (beyond float summation order). Merging a new cache of width L' into
+    the running one of width L pads the narrower of the two on the left to max(L, L').
+    When rows leave, columns that no live row uses any more are cut off the left.
+
+    Seeds: each request draws from its own generator, one number per live row of it per
+    step, in its row order, so a seeded request gets the same tokens whatever else is in
+    the batch and whenever it was admitted.
+
+    Requests must be validated (``validate_request``) before ``admit``; callers hold the
+    host's lock and ``torch.no_grad`` (``ModelHost.admit`` / ``ModelHost.decode_step``).
+    """
+
+    def __init__(self, host: SamplingHost):
+        self.host = host
+        self.eos = _eos_ids(host)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.cache = DynamicCache()
+        self.rows: list[_Row] = []  # live rows, in cache order
+        self.mask: torch.Tensor | None = None  # (R, L) 1 = real token
+        self.hidden: torch.Tensor | None = None  # (R, H) hidden state of each row's newest token
+
+    def __len__(self) -> int:
+        """The number of live rows."""
+        return len(self.rows)
+
+    @property
+    def tickets(self) -> list[Hashable]:
+        """The requests still decoding, in admission order."""
+        return list(dict.fromkeys(row.owner.ticket for row in self.rows))
+
+    @property
+    def adapters(self) -> set[str | None]:
+        """The adapters the live rows use (they must stay loaded until those rows finish)."""
+        return {row.owner.request.adapter_id for row in self.rows}
+
+    @property
+    def width(self) -> int:
+        """The cache's sequence length (padding included)."""
+        return 0 if self.mask is None else int(self.mask.shape[1])
+
+    def admit(self, requests: list[SampleRequest], tickets: list[Hashable] | None = None) -> None:
+        """Prefill ``requests`` and add their rows to the batch; they decode from the next step.
+
+        ``tickets`` name the requests in what ``step`` returns (default: their index here).
+        If the prefill raises, the running batch is unchanged.
+        """
+        if not requests:
+            return
+        tickets = list(range(len(requests))) if tickets is None else tickets
+        dev = self.host.device
+        cache = DynamicCache()
+        hidden, mask = _prefill(self.host, requests, cache)  # (P, H), (P, L')
+        admitted = [
+            _Admitted(ticket, r, _generator(r.config.seed, dev),
+                      self.host.compute_logprobs(r.adapter_id, r.prompt) if r.prompt_logprobs else None)
+            for ticket, r in zip(tickets, requests)
+        ]
+        rows = []
+        for a in admitted:
+            a.rows = [_Row(a) for _ in range(a.request.num_samples)]
+            a.decoding = len(a.rows)
+            rows.extend(a.rows)
+        index = torch.tensor([k for k, r in enumerate(requests) for _ in range(r.num_samples)], device=dev)
+        cache.batch_select_indices(index)  # share each prompt's prefill across its samples
+        hidden, mask = hidden[index], mask[index]
+        if not self.rows:
+            self.cache, self.mask, self.hidden = cache, mask, hidden
+        else:
+            assert self.mask is not None and self.hidden is not None
+            self.mask = _merge_caches(self.cache, self.mask, cache, mask)
+            self.hidden = torch.cat([self.hidden, hidden])
+        self.rows.extend(rows)
+
+    def step(self) -> list[tuple[Hashable, SampleResult]]:
+        """One token for every live row; returns the requests that finished, which leave."""
+        if not self.rows:
+            return []
+        assert self.mask is not None and self.hidden is not None
+        adapters = [row.owner.request.adapter_id for row in self.rows]
+        logits = _logits(self.host, self.hidden, adapters)  # (R, V) fp32
+        tokens = _draw(logits, self.rows)  # (R,)
         logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]  # (R,)
         # one device -> host copy per step, not one per row
         new_tokens, new_logp = tokens.tolist(), logp.tolist()
-        keep = []
-        for j, i in enumerate(live):
-            row = rows[i]
+        keep, finished = [], []
+        for j, row in enumerate(self.rows):
             row.tokens.append(new_tokens[j])
             row.logprobs.append(new_logp[j])
-            row.stop_reason = _stop_reason(host, row, requests[row.request].config, eos)
+            row.stop_reason = _stop_reason(self.host, row, row.owner.request.config, self.eos)
             if not row.stop_reason:
                 keep.append(j)
+                continue
+            row.owner.decoding -= 1
+            if row.owner.decoding == 0:
+                finished.append((row.owner.ticket, self._result(row.owner)))
         if not keep:
-            break
-        if len(keep) < len(live):
-            sel = torch.tensor(keep, device=dev)
-            cache.batch_select_indices(sel)
-            mask, tokens = mask[sel], tokens[sel]
-            live = [live[j] for j in keep]
-            adapters = [adapters[j] for j in keep]
-        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
-        hidden = _decode(host, tokens, mask, cache, adapters)
+            self._reset()
+            return finished
+        if len(keep) < len(self.rows):
+            sel = torch.tensor(keep, device=self.host.device)
+            self.cache.batch_select_indices(sel)
+            self.mask, tokens = self.mask[sel], tokens[sel]
+            self.rows = [self.rows[j] for j in keep]
+            self._trim_left()
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
+        self.hidden = _decode(self.host, tokens, self.mask, self.cache,
+                              [row.owner.request.adapter_id for row in self.rows])
+        return finished
 
-    results = [SampleResult([], lp) for lp in prompt_lp]
-    for row in rows:
-        text = host.tokenizer.decode(row.tokens, skip_special_tokens=True)
-        results[row.request].sequences.append(Sequence(row.tokens, row.logprobs, text, row.stop_reason))
-    return results
+    def _trim_left(self) -> None:
+        """Drop the leading columns no live row uses (left by rows that left)."""
+        assert self.mask is not None
+        first = int(self.mask.any(0).int().argmax())
+        if first > 0:
+            self.mask = self.mask[:, first:]
+            for layer in _kv_layers(self.cache):
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+
+    def _result(self, a: _Admitted) -> SampleResult:
+        decode = self.host.tokenizer.decode
+        return SampleResult(
+            [Sequence(r.tokens, r.logprobs, decode(r.tokens, skip_special_tokens=True), r.stop_reason) for r in a.rows],
+            a.prompt_logprobs,
+        )
+
+
+def generate(host: SamplingHost, requests: list[SampleRequest]) -> list[SampleResult]:
+    """Sample every request's ``num_samples`` sequences; requests must be validated.
+
+    All requests are admitted at once and decoded until the last one finishes (a finished
+    request still leaves the batch at once, so later steps are cheaper).
+    """
+    batch = DecodeBatch(host)
+    batch.admit(requests)
+    results: dict[Hashable, SampleResult] = {}
+    while len(batch):
+        results.update(batch.step())
+    return [results[k] for k in range(len(requests))]
+
+
+def _merge_caches(cache: DynamicCache, mask: torch.Tensor, new: DynamicCache, new_mask: torch.Tensor) -> torch.Tensor:
+    """Append ``new``'s rows to ``cache`` (in place), left-padding the narrower; returns the merged mask."""
+    width = max(mask.shape[1], new_mask.shape[1])
+    for layer, add in zip(_kv_layers(cache), _kv_layers(new), strict=True):
+        layer.keys = torch.cat([_pad_left(layer.keys, width), _pad_left(add.keys, width)])
+        layer.values = torch.cat([_pad_left(layer.values, width), _pad_left(add.values, width)])
+    return torch.cat([_pad_left(mask, width, dim=1), _pad_left(new_mask, width, dim=1)])
+
+
+def _kv_layers(cache: DynamicCache) -> list[Any]:
+    """The cache's layers, each with ``keys`` and ``values`` (B, heads, L, D).
+
+    A ``DynamicCache()`` made without a model config has only such full-attention layers,
+    whatever the model (a sliding-window model keeps every position, masked by the model).
+    """
+    return list(cache.layers)
+
+
+def _pad_left(x: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
+    """Zeros in front of ``x`` along ``dim`` up to ``width`` (KV: (B, heads, L, D); mask: (B, L))."""
+    missing = width - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 def _prefill(host: SamplingHost, requests: list[SampleRequest], cache: DynamicCache):
@@ -216,15 +367,15 @@ def _logits(host: SamplingHost, hidden: torch.Tensor, adapters) -> torch.Tensor:
         return host.unembed(hidden).float()  # (R, V)
 
 
-def _draw(logits: torch.Tensor, rows: list[_Row], requests: list[SampleRequest], gens) -> torch.Tensor:
+def _draw(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
     """Sample one token per row, rows of a request drawing from that request's generator."""
     out = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    by_request: dict[int, list[int]] = {}
+    by_request: dict[int, tuple[_Admitted, list[int]]] = {}
     for j, row in enumerate(rows):
-        by_request.setdefault(row.request, []).append(j)
-    for k, js in by_request.items():
+        by_request.setdefault(id(row.owner), (row.owner, []))[1].append(j)
+    for owner, js in by_request.values():
         idx = torch.tensor(js, device=logits.device)
-        out[idx] = sample_tokens(logits[idx], requests[k].config, gens[k])
+        out[idx] = sample_tokens(logits[idx], owner.request.config, owner.gen)
     return out
 
 

@@ -29,6 +29,7 @@ from trio_engine import (
     AdamConfig,
     AdapterNotFoundError,
     Catalog,
+    DecodeBatch,
     ForwardJob,
     ForwardResult,
     InvalidInputError,
@@ -68,6 +69,14 @@ class SampleJob:
 
     weights: str | None
     request: SampleRequest  # its adapter_id is set by the engine
+
+
+@dataclass
+class DecodeUpdate:
+    """What one ``Engine.decode`` call did."""
+
+    finished: dict[str, SampleResult | Failure]  # ticket -> outcome, of requests that left the batch
+    decoding: list[str]  # tickets still in the running batch
 
 
 @dataclass
@@ -130,6 +139,14 @@ class Engine(Protocol):
         ...
 
     def sample(self, jobs: list[SampleJob]) -> list[SampleResult | Failure]: ...
+
+    def decode(self, admit: dict[str, SampleJob], max_steps: int = 1) -> DecodeUpdate:
+        """Continuous batching: add ``admit`` (ticket -> job) to the engine's running decode
+        batch, then run up to ``max_steps`` decode steps, stopping after a step that
+        finishes a request. An invalid job fails alone, in ``finished`` at once. A step
+        that raises fails every request then in the batch, and the batch starts empty.
+        The batch lives in the engine: it is lost if the engine's process dies."""
+        ...
 
     def compute_logprobs(self, weights: str | None, tokens: list[int]) -> list[float | None]: ...
 
@@ -223,6 +240,8 @@ class LocalEngine:
         self._snapshots: SnapshotWriter | None = None
         self._load_lock = threading.Lock()
         self.sampler_adapters: OrderedDict[str, str] = OrderedDict()  # weights folder -> adapter id
+        self._decoding: DecodeBatch | None = None  # the running batch of ``decode``
+        self._retired: set[str] = set()  # sampler adapters replaced while live rows used them
 
     @property
     def host(self) -> ModelHost:
@@ -345,16 +364,7 @@ class LocalEngine:
     def sample(self, jobs: list[SampleJob]) -> list[SampleResult | Failure]:
         host = self.host
         results: dict[int, SampleResult | Failure] = {}
-        valid: dict[int, SampleRequest] = {}
-        for k, job in enumerate(jobs):
-            try:
-                job.request.adapter_id = self._sampler_adapter(job.weights)
-                host.validate_sample(job.request)
-                valid[k] = job.request
-            except Exception as exc:
-                failure = failure_from(exc)
-                failure.message = failure.message.removeprefix("requests[0].")
-                results[k] = failure
+        valid = self._valid_samples(dict(enumerate(jobs)), results)
         if valid:
             try:
                 outs: list[SampleResult | Failure] = list(host.sample(list(valid.values())))
@@ -364,6 +374,59 @@ class LocalEngine:
             results.update(zip(valid, outs))
         self._trim_samplers()  # after the batch: its own adapters stay loaded while it runs
         return [results[k] for k in range(len(jobs))]
+
+    def _valid_samples(self, jobs: dict[Any, SampleJob], failed: dict[Any, Any]) -> dict[Any, SampleRequest]:
+        """The jobs' requests on their sampler adapters, each validated alone; failures go to ``failed``."""
+        valid = {}
+        for key, job in jobs.items():
+            try:
+                job.request.adapter_id = self._sampler_adapter(job.weights)
+                self.host.validate_sample(job.request)
+                valid[key] = job.request
+            except Exception as exc:
+                failure = failure_from(exc)
+                failure.message = failure.message.removeprefix("requests[0].")
+                failed[key] = failure
+        return valid
+
+    def decode(self, admit: dict[str, SampleJob], max_steps: int = 1) -> DecodeUpdate:
+        host = self.host
+        if self._decoding is None:
+            self._decoding = host.decode_batch()
+        batch = self._decoding
+        finished: dict[str, SampleResult | Failure] = {}
+        valid = self._valid_samples(admit, finished)
+        if valid:
+            try:  # a failed prefill leaves the running batch as it was
+                host.admit(batch, list(valid.values()), list(valid))
+            except Exception as exc:
+                log.exception("prefill failed")
+                finished.update(dict.fromkeys(valid, failure_from(exc)))
+        for _ in range(max_steps):
+            if not len(batch):
+                break
+            try:
+                done = host.decode_step(batch)
+            except Exception as exc:
+                log.exception("decode step failed; failing the requests of its batch")
+                finished.update(dict.fromkeys(map(str, batch.tickets), failure_from(exc)))
+                self._decoding = batch = host.decode_batch()
+                break
+            finished.update((str(ticket), result) for ticket, result in done)
+            if done:
+                break
+        self._trim_samplers()
+        self._free_retired()
+        return DecodeUpdate(finished, [str(t) for t in batch.tickets])
+
+    def _in_use(self) -> set[str | None]:
+        """Adapters of the running decode batch's live rows: not to be deleted under them."""
+        return self._decoding.adapters if self._decoding is not None else set()
+
+    def _free_retired(self) -> None:
+        for adapter_id in self._retired - self._in_use():  # type: ignore[operator]
+            self._retired.discard(adapter_id)
+            self.host.delete_adapter(adapter_id)
 
     def compute_logprobs(self, weights: str | None, tokens: list[int]) -> list[float | None]:
         logprobs = self.host.compute_logprobs(self._sampler_adapter(weights), tokens)
@@ -392,15 +455,24 @@ class LocalEngine:
         return adapter_id
 
     def _trim_samplers(self) -> None:
-        """Keep at most ``max_sampler_adapters`` loaded, least recently used out first."""
+        """Keep at most ``max_sampler_adapters`` loaded, least recently used out first; the
+        running decode batch's adapters stay (the limit may be exceeded while they decode)."""
+        in_use = self._in_use()
         while len(self.sampler_adapters) > self.settings.max_sampler_adapters:
-            _, evicted = self.sampler_adapters.popitem(last=False)
-            self.host.delete_adapter(evicted)
+            folder = next((f for f, a in self.sampler_adapters.items() if a not in in_use), None)
+            if folder is None:
+                return
+            self.host.delete_adapter(self.sampler_adapters.pop(folder))
 
     def _forget_sampler(self, folder: str) -> None:
-        """Weights in ``folder`` were replaced or deleted: a sampler on them reloads."""
+        """Weights in ``folder`` were replaced or deleted: a sampler on them reloads. Rows
+        decoding on the old weights finish on them; the old adapter goes once they leave."""
         adapter_id = self.sampler_adapters.pop(str(folder), None)
-        if adapter_id is not None:
+        if adapter_id is None:
+            return
+        if adapter_id in self._in_use():
+            self._retired.add(adapter_id)
+        else:
             self.host.delete_adapter(adapter_id)
 
     def close(self) -> None:

@@ -81,14 +81,10 @@ def execute(ctx: Context, batch: list[WorkItem]) -> list[Result]:
     else:
         results = [_guard(HANDLERS[batch[0].op], ctx, batch[0])]
     elapsed = (time.monotonic() - started) * 1000
-    for item, (result, error) in zip(batch, results):
-        if isinstance(result, t.ForwardBackwardOutput):
-            result.elapsed_time = elapsed
-        log.info("request=%s run=%s op=%s ms=%.0f tokens=%d status=%s", item.request_id, item.run_id or "-",
-                 item.op, elapsed, _tokens(item), "failed" if error else "done")
-        if error is not None and error.category == "server":  # ours, not the caller's: find it by request id
-            log.error("request=%s run=%s op=%s server error: %s", item.request_id, item.run_id or "-", item.op,
-                      error.message)
+    for item, outcome in zip(batch, results):
+        if isinstance(outcome[0], t.ForwardBackwardOutput):
+            outcome[0].elapsed_time = elapsed
+        log_outcome(item, outcome, elapsed)
     return results
 
 
@@ -162,23 +158,61 @@ def _forward_output(out: ForwardResult) -> t.ForwardBackwardOutput:
 
 
 def _sample(ctx: Context, batch: list[WorkItem]) -> list[Result]:
-    jobs = []
-    for item in batch:
-        req: t.SampleRequest = item.request
-        p = req.sampling_params
-        stops = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
-        config = SamplingConfig(
-            max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
-            ignore_eos=p.ignore_eos or p.stop == [],  # stop=[]: no stop at all, not even EOS
-            stop_strings=tuple(s for s in stops if isinstance(s, str)),
-            stop_token_ids=tuple(s for s in stops if isinstance(s, int)),
-        )
-        request = SampleRequest(None, req.prompt.to_ints(), req.num_samples, config, req.include_prompt_logprobs)
-        jobs.append(SampleJob(_sampler_weights(ctx, item.context["sampler"]), request))
-    outs, error = _guard(ctx.engine.sample, jobs)
+    """A batch of sample requests run to completion together (``decode`` is the incremental way)."""
+    outs, error = _guard(ctx.engine.sample, [_sample_job(ctx, item) for item in batch])
     if error:
         return [(None, error)] * len(batch)
     return [_outcome(out, _sample_response) for out in outs]
+
+
+def _sample_job(ctx: Context, item: WorkItem) -> SampleJob:
+    req: t.SampleRequest = item.request
+    p = req.sampling_params
+    stops = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+    config = SamplingConfig(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+        ignore_eos=p.ignore_eos or p.stop == [],  # stop=[]: no stop at all, not even EOS
+        stop_strings=tuple(s for s in stops if isinstance(s, str)),
+        stop_token_ids=tuple(s for s in stops if isinstance(s, int)),
+    )
+    request = SampleRequest(None, req.prompt.to_ints(), req.num_samples, config, req.include_prompt_logprobs)
+    return SampleJob(_sampler_weights(ctx, item.context["sampler"]), request)
+
+
+def decode(ctx: Context, admit: list[WorkItem], live: list[str], max_steps: int = 1) -> dict[str, Result]:
+    """Continuous batching: add ``admit`` to the engine's running decode batch (which holds
+    the requests ``live``) and run ``max_steps`` steps; the outcome of every request that
+    finished or failed, by request id. If the engine call itself fails (its process died),
+    every request of the batch fails with that error."""
+    results: dict[str, Result] = {}
+    jobs: dict[str, SampleJob] = {}
+    if admit:
+        _, error = _guard(ctx.engine.load)
+        if error:
+            failed = ServiceError("server", f"loading {ctx.base_model}: {error.message}", 500)
+            return dict.fromkeys([*live, *(i.request_id for i in admit)], (None, failed))
+    for item in admit:
+        job, error = _guard(_sample_job, ctx, item)
+        if error:
+            results[item.request_id] = (None, error)
+        else:
+            jobs[item.request_id] = job
+    if not jobs and not live:
+        return results
+    update, error = _guard(ctx.engine.decode, jobs, max_steps)
+    if error:
+        return results | dict.fromkeys([*live, *jobs], (None, error))
+    results.update((rid, _outcome(out, _sample_response)) for rid, out in update.finished.items())
+    return results
+
+
+def log_outcome(item: WorkItem, result: Result, elapsed_ms: float) -> None:
+    error = result[1]
+    log.info("request=%s run=%s op=%s ms=%.0f tokens=%d status=%s", item.request_id, item.run_id or "-",
+             item.op, elapsed_ms, _tokens(item), "failed" if error else "done")
+    if error is not None and error.category == "server":  # ours, not the caller's: find it by request id
+        log.error("request=%s run=%s op=%s server error: %s", item.request_id, item.run_id or "-", item.op,
+                  error.message)
 
 
 def _sample_response(out: SampleResult) -> t.SampleResponse:

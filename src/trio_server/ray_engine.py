@@ -30,7 +30,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from trio_engine import AdamConfig, ForwardJob, ForwardResult, LoraConfig, SampleResult
 
-from .engine import AdapterInfo, EngineSettings, Failure, LocalEngine, SampleJob
+from .engine import AdapterInfo, DecodeUpdate, EngineSettings, Failure, LocalEngine, SampleJob
 from .errors import ServiceError
 
 log = logging.getLogger("trio.server")
@@ -167,6 +167,10 @@ class RayEngine:
 
     def compute_logprobs(self, weights: str | None, tokens: list[int]) -> list[float | None]:
         return self._call("compute_logprobs", weights, tokens)
+
+    def decode(self, admit: dict[str, SampleJob], max_steps: int = 1) -> DecodeUpdate:
+        # Not retried on a restarted actor: the running batch died with the old one.
+        return self._call("decode", admit, max_steps)
 
     def offload(self, run_id: str) -> None:
         self._call("offload", run_id)

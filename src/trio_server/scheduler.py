@@ -5,7 +5,13 @@ equals its run's ``next_seq`` is ready. Requests without a run (sampling, creati
 models) are always ready. The oldest ready request picks the operation; every other
 ready request of a batchable operation joins it, so ``forward_backward`` calls of
 different runs share one pass (each run contributes at most its head, which is before
-its next ``optim_step``) and sampling requests share decode batches.
+its next ``optim_step``).
+
+Sampling is continuous (``next_work``): the worker keeps one running decode batch;
+every sample request that has arrived joins it at the next decode step, and between
+two steps at most one other batch (training, checkpoints, ...) runs. So training is
+never starved by a long decode (it waits at most one step), and sampling is not stuck
+behind a long queue of training (at most one batch per step).
 """
 
 from __future__ import annotations
@@ -68,3 +74,18 @@ def next_batch(pending: list[WorkItem], next_seq: dict[str, int], max_batch: int
     if head.op not in BATCHABLE:
         return [head]
     return [i for i in ready if i.op == head.op][:max_batch]
+
+
+MAX_DECODING = 64  # requests in the running decode batch; later ones join as others leave
+
+
+def next_work(pending: list[WorkItem], next_seq: dict[str, int], decoding: int,
+              max_decoding: int = MAX_DECODING) -> tuple[list[WorkItem], list[WorkItem]]:
+    """(sample requests to admit into the decode batch now, the next other batch to run).
+
+    ``decoding`` is how many requests the decode batch holds; admissions fill it up to
+    ``max_decoding``, oldest first.
+    """
+    samples = sorted((i for i in pending if i.op == "sample"), key=lambda i: i.arrival)
+    others = [i for i in pending if i.op != "sample"]
+    return samples[:max(0, max_decoding - decoding)], next_batch(others, next_seq)

@@ -1,8 +1,14 @@
 """One worker thread per base model: schedule -> execute -> resolve, over one engine.
 
-The worker owns its queue. ``scheduler.next_batch`` (pure) picks what runs next,
+The worker owns its queue. ``scheduler.next_work`` (pure) picks what runs next,
 ``handlers.execute`` runs it on the engine, and the core's ``resolve`` stores each
-outcome and wakes its waiters. When idle, the worker lets runs whose client went
+outcome and wakes its waiters.
+
+Sampling is continuous batching: the worker keeps a decode batch running in the engine.
+Each turn of the loop admits the sample requests that arrived, runs at most one other
+batch (training etc.), then one decode step (``handlers.decode``), and resolves every
+request that finished in that step at once, so a short request never waits for a long
+one it shares the batch with. When idle, the worker lets runs whose client went
 quiet leave memory (``Engine.offload``), and lets a run continue past a sequence
 number that never arrived.
 """
@@ -15,9 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import handlers
 from .errors import ServiceError
 from .handlers import Context, Result, execute
-from .scheduler import WorkItem, next_batch, stalled_runs
+from .scheduler import WorkItem, next_work, stalled_runs
 
 log = logging.getLogger("trio.server")
 
@@ -45,6 +52,9 @@ class HostWorker:
         self._stopped = False
         self.last_used: dict[str, float] = {}  # run id -> when a request last touched it (resident runs)
         self.queued_at: dict[str, float] = {}  # request id -> when it was queued
+        self.decoding: dict[str, WorkItem] = {}  # request id -> sample request in the decode batch
+        self.admitted_at: dict[str, float] = {}  # request id -> when it joined the decode batch
+        self.decode_steps = 0  # decode steps run so far (tests and metrics watch it)
         self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{ctx.base_model}", daemon=True)
         self.thread.start()
 
@@ -74,24 +84,56 @@ class HostWorker:
 
     def _loop(self) -> None:
         while True:
-            batch = self._schedule()
-            if batch is None:
+            work = self._schedule()
+            if work is None:
                 return
-            if not batch:
+            admit, batch = work
+            if batch:
+                self._run_batch(batch)
+            if admit or self.decoding:
+                self._decode(admit)
+            elif not batch:
                 self._skip_missing_seqs()
                 self._offload_idle()
-                continue
-            try:
-                results = self._execute(batch)
-                for item in batch:
-                    run_id = item.run_id or item.context.get("run_id")  # create_model names its run here
-                    if run_id is not None:
-                        self.last_used[run_id] = time.monotonic()
-                for item, result in zip(batch, results):
-                    self.resolve(item, result)
-            finally:
-                with self.cond:
-                    self.running.difference_update(i.request_id for i in batch)
+
+    def _run_batch(self, batch: list[WorkItem]) -> None:
+        try:
+            results = self._execute(batch)
+            for item in batch:
+                run_id = item.run_id or item.context.get("run_id")  # create_model names its run here
+                if run_id is not None:
+                    self.last_used[run_id] = time.monotonic()
+            for item, result in zip(batch, results):
+                self.resolve(item, result)
+        finally:
+            self._done(batch)
+
+    def _decode(self, admit: list[WorkItem]) -> None:
+        """Admit new sample requests, run one decode step, resolve those that finished."""
+        live = list(self.decoding)
+        now = time.monotonic()
+        for item in admit:
+            self.decoding[item.request_id] = item
+            self.admitted_at[item.request_id] = now
+        try:
+            results = handlers.decode(self.ctx, admit, live)
+        except Exception as exc:  # a bug: fail the batch's requests, keep the thread (see _execute)
+            log.exception("decode step failed unexpectedly; failing its requests")
+            error = ServiceError("server", f"internal error while sampling: {type(exc).__name__}: {exc}", 500)
+            results = dict.fromkeys(self.decoding, (None, error))
+        self.decode_steps += 1
+        finished = [self.decoding.pop(rid) for rid in results if rid in self.decoding]
+        try:
+            for item in finished:
+                result = results[item.request_id]
+                handlers.log_outcome(item, result, (time.monotonic() - self.admitted_at.pop(item.request_id)) * 1000)
+                self.resolve(item, result)
+        finally:
+            self._done(finished)
+
+    def _done(self, items: list[WorkItem]) -> None:
+        with self.cond:
+            self.running.difference_update(i.request_id for i in items)
 
     def _execute(self, batch: list[WorkItem]) -> list[Result]:
         """``execute``, except that a bug escaping it fails this batch's requests with a server
@@ -104,20 +146,21 @@ class HostWorker:
             error = ServiceError("server", f"internal error running {batch[0].op}: {type(exc).__name__}: {exc}", 500)
             return [(None, error)] * len(batch)
 
-    def _schedule(self) -> list[WorkItem] | None:
-        """The next batch (empty after a second of nothing to do); None once stopped."""
+    def _schedule(self) -> tuple[list[WorkItem], list[WorkItem]] | None:
+        """(sample requests to admit, the next other batch); both empty after a second of
+        nothing to do (at once while requests decode); None once stopped."""
         with self.cond:
             if self._stopped:
                 return None
-            batch = next_batch(self.pending, self.order.next_seq)
-            if not batch:
+            admit, batch = next_work(self.pending, self.order.next_seq, len(self.decoding))
+            if not admit and not batch and not self.decoding:
                 self.cond.wait(timeout=1.0)
-                batch = next_batch(self.pending, self.order.next_seq)
-            for item in batch:
+                admit, batch = next_work(self.pending, self.order.next_seq, len(self.decoding))
+            for item in admit + batch:
                 self.pending.remove(item)
                 self.queued_at.pop(item.request_id, None)
                 self.running.add(item.request_id)
-            return batch
+            return admit, batch
 
     def _skip_missing_seqs(self) -> None:
         with self.cond:

@@ -267,3 +267,62 @@ def test_draws_follow_the_filtered_distribution(cfg, allowed):
     expected = torch.where(mask, probs, 0) / probs[mask].sum()
     freq = torch.bincount(draws, minlength=5).float() / len(draws)
     assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
+
+
+# -- continuous batching: requests join and leave a running decode batch -------------------
+
+
+def run_alone(host, req):
+    return host.sample([req])[0]
+
+
+def test_a_request_admitted_mid_decode_gets_its_solo_tokens_and_trainer_logprobs(tiny_host, adapted):
+    """Requests joining a running batch (prompts longer and shorter than its cache) draw what
+    they draw alone, seeded or greedy, and their logprobs still match the trainer's."""
+    first = SampleRequest(adapted, PROMPTS[1], 2, SamplingConfig(max_tokens=12, temperature=1.0, seed=21))
+    joining = [SampleRequest(adapted, PROMPTS[2] + PROMPTS[0], 3, SamplingConfig(max_tokens=6, seed=22)),
+               SampleRequest(None, PROMPTS[0][:2], 1, SamplingConfig(max_tokens=5, temperature=0.0)),
+               SampleRequest(adapted, PROMPTS[0], 2, SamplingConfig(max_tokens=4, top_k=50, top_p=0.9, seed=23))]
+    batch = tiny_host.decode_batch()
+    tiny_host.admit(batch, [first], ["first"])
+    results = {}
+    for _ in range(3):
+        results.update(tiny_host.decode_step(batch))
+    width = batch.width
+    tiny_host.admit(batch, joining[:2], ["long-prompt", "short-prompt"])
+    assert batch.width == len(joining[0].prompt) > width  # the running cache was padded on the left
+    results.update(tiny_host.decode_step(batch))
+    tiny_host.admit(batch, joining[2:], ["late"])  # a prompt narrower than the cache: padded itself
+    while len(batch):
+        results.update(tiny_host.decode_step(batch))
+
+    for ticket, req in zip(["first", "long-prompt", "short-prompt", "late"], [first, *joining]):
+        alone = run_alone(tiny_host, req)
+        assert [s.tokens for s in results[ticket].sequences] == [s.tokens for s in alone.sequences], ticket
+        for seq in results[ticket].sequences:
+            full = req.prompt + seq.tokens
+            ex = Example(full[:-1], {"target_tokens": full[1:]})
+            trainer = tiny_host.forward([ForwardJob(req.adapter_id, [ex])])[0].logprobs[0][len(req.prompt) - 1:]
+            assert max(abs(a - b) for a, b in zip(seq.logprobs, trainer)) < 1e-4, ticket
+
+
+def test_finished_requests_leave_the_batch_at_once(tiny_host):
+    """A request is returned by the step that finishes it; its rows and the cache columns only
+    it used leave the batch."""
+    fixed = lambda n: SamplingConfig(max_tokens=n, temperature=1.0, seed=n, ignore_eos=True)  # noqa: E731
+    short = SampleRequest(None, PROMPTS[2], 3, fixed(2))  # the longer prompt: the widest columns
+    long = SampleRequest(None, PROMPTS[1], 2, fixed(5))
+    batch = tiny_host.decode_batch()
+    tiny_host.admit(batch, [short, long], ["short", "long"])
+    assert len(batch) == 5 and batch.tickets == ["short", "long"]
+    assert tiny_host.decode_step(batch) == []
+    [(ticket, result)] = tiny_host.decode_step(batch)
+    assert ticket == "short" and [len(s.tokens) for s in result.sequences] == [2, 2, 2]
+    assert len(batch) == 2 and batch.tickets == ["long"] and batch.adapters == {None}
+    # the long request's prompt and its tokens so far (the newest is fed at the next step)
+    assert batch.width == len(long.prompt) + 2
+    for _ in range(2):
+        assert tiny_host.decode_step(batch) == []
+    [(ticket, result)] = tiny_host.decode_step(batch)
+    assert ticket == "long" and [len(s.tokens) for s in result.sequences] == [5, 5]
+    assert len(batch) == 0 and batch.tickets == [] and tiny_host.decode_step(batch) == []

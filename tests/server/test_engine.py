@@ -133,3 +133,61 @@ def test_saving_sampler_weights_again_frees_the_old_adapter(engine, tmp_path):
         counts.append(loaded())
     assert counts[0] == counts[1] == counts[2]
     assert counts[0][0] == 2  # the run and one sampler copy
+
+
+def test_decode_keeps_the_weights_of_live_rows_until_they_finish(engine, tmp_path):
+    """Continuous batching: neither the LRU of sampler weights nor a save over a sampler's
+    folder frees an adapter that rows still decode on; it goes once they leave."""
+    import dataclasses
+
+    from tests.engine.helpers import randomize_adapter
+    from trio_engine import SampleRequest, SamplingConfig
+    from trio_server.engine import SampleJob
+
+    engine.settings = dataclasses.replace(engine.settings, max_sampler_adapters=1)
+    folder, other = str(tmp_path / "shared"), str(tmp_path / "other")
+    for k, run in enumerate(("run-d", "run-e")):
+        engine.create_adapter(run, LoraConfig(rank=2, seed=k))
+        randomize_adapter(engine.host, run, seed=k, scale=0.3)
+    engine.save_sampler_weights("run-d", folder)
+    engine.save_sampler_weights("run-e", other)
+    greedy = SamplingConfig(max_tokens=6, temperature=0.0, ignore_eos=True)
+    request = lambda: SampleRequest(None, [1, 5, 9], 1, greedy)  # noqa: E731
+    alone = engine.sample([SampleJob(folder, request())])[0].sequences[0].tokens
+
+    update = engine.decode({"long": SampleJob(folder, request())})
+    assert update.decoding == ["long"] and not update.finished
+    old = engine.sampler_adapters[folder]
+    update = engine.decode({"other": SampleJob(other, request())})  # LRU over its limit of 1
+    assert old in engine.host.adapters
+    engine.save_sampler_weights("run-e", folder)  # new weights where "long" got its own
+    assert old in engine.host.adapters and folder not in engine.sampler_adapters
+    finished = {}
+    while update.decoding:
+        update = engine.decode({})
+        finished.update(update.finished)
+    assert finished["long"].sequences[0].tokens == alone  # decoded to the end on its weights
+    assert not isinstance(finished["other"], Failure)
+    assert old not in engine.host.adapters  # freed once its rows left
+    assert engine.sample([SampleJob(folder, request())])[0].sequences[0].tokens != alone  # the new weights
+
+
+def test_decode_fails_a_bad_job_alone_and_a_broken_step_fails_the_batch(engine, monkeypatch):
+    from trio_engine import SampleRequest, SamplingConfig
+    from trio_server.engine import SampleJob
+
+    ok = SampleJob(None, SampleRequest(None, [1, 5, 9], 1, SamplingConfig(max_tokens=4, ignore_eos=True)))
+    bad = SampleJob(None, SampleRequest(None, [1, 10**8], 1, SamplingConfig(max_tokens=4)))
+    update = engine.decode({"ok": ok, "bad": bad})
+    assert set(update.finished) == {"bad"} and update.decoding == ["ok"]
+    assert update.finished["bad"].category == "validation" and "prompt" in update.finished["bad"].message
+
+    def broken(batch):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.host, "decode_step", broken)
+    update = engine.decode({})
+    assert update.decoding == [] and update.finished["ok"].category == "server"
+    monkeypatch.undo()
+    update = engine.decode({"again": ok})  # a fresh batch
+    assert update.decoding == ["again"]
