@@ -332,3 +332,57 @@ def test_the_worker_is_a_named_daemon_thread(tmp_path):
     thread = core.workers[MODEL].thread
     assert (thread.name, thread.daemon) == (f"trio-worker-{MODEL}", True)
     core.close()
+
+
+def test_a_short_sample_joins_a_running_decode_and_finishes_first(tmp_path):
+    """Continuous batching in the worker: a sample request submitted while a long one decodes
+    joins its batch and is resolved as soon as it is done, and a training call queued meanwhile
+    runs between decode steps. Each decode step waits for a permit, so the order is exact."""
+    import threading
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    svc = trio.ServiceClient(transport=LocalTransport(core))
+    sampler = svc.create_sampling_client(base_model=MODEL)
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    worker = core.workers[MODEL]
+    permits = threading.Semaphore(0)
+    steps: list[list[str]] = []  # requests still decoding after each step
+    real_decode, real_resolve = worker.engine.decode, worker.resolve
+    resolved: list[str] = []
+
+    entered: list[int] = []
+
+    def gated_decode(admit, max_steps=1):
+        entered.append(len(admit))
+        permits.acquire()
+        update = real_decode(admit, max_steps)
+        steps.append(update.decoding)
+        return update
+
+    def spying_resolve(item, result):
+        sample = item.op == "sample"
+        resolved.append(f"sample-{item.request.sampling_params.max_tokens}" if sample else item.op)
+        real_resolve(item, result)
+
+    worker.engine.decode, worker.resolve = gated_decode, spying_resolve
+    prompt = trio.ModelInput.from_ints([1, 5, 9, 200])
+    long_id = lambda w: next(iter(w.decoding))  # noqa: E731
+    params = lambda n: trio.SamplingParams(max_tokens=n, temperature=1.0, seed=n, ignore_eos=True)  # noqa: E731
+    long = sampler.sample(prompt, 2, params(40))
+    permits.release()
+    wait_until(lambda: len(entered) == 2, "the long request's second step to wait for its permit")
+    assert steps == [[long_id(worker)]]
+    short = sampler.sample(prompt, 1, params(3))
+    toks = list(range(1, 9))
+    fwd = tc.forward([trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]),
+                                 loss_fn_inputs={"target_tokens": toks[1:]})])
+    wait_until(lambda: len(worker.snapshot()) == 2, "both to queue behind the gated step")
+    permits.release(100)
+    short_out, long_out, fwd_out = short.result(), long.result(), fwd.result()
+    assert [len(s.tokens) for s in short_out.sequences] == [3]
+    assert [len(s.tokens) for s in long_out.sequences] == [40, 40]
+    assert fwd_out.loss_fn_outputs
+    assert resolved[-3:] == ["forward", "sample-3", "sample-40"]  # not behind the long one
+    assert max(len(live) for live in steps) == 2  # short shared the long one's batch
+    assert worker.decode_steps == len(steps) < 40 + 3  # not one batch after the other
+    core.close()
