@@ -368,21 +368,47 @@ def _logits(host: SamplingHost, hidden: torch.Tensor, adapters) -> torch.Tensor:
 
 
 def _draw(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
-    """Sample one token per row, rows of a request drawing from that request's generator."""
+    """Sample one token per row, rows of a request drawing from that request's generator.
+
+    Rows whose requests filter alike (temperature, top-k, top-p) share one pass of the
+    chain; only the uniform numbers are drawn per request, from its own generator, so the
+    draws are those each request would make alone.
+    """
     out = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    by_request: dict[int, tuple[_Admitted, list[int]]] = {}
+    groups: dict[tuple[float, int, float], list[int]] = {}
     for j, row in enumerate(rows):
-        by_request.setdefault(id(row.owner), (row.owner, []))[1].append(j)
-    for owner, js in by_request.values():
-        idx = torch.tensor(js, device=logits.device)
-        out[idx] = sample_tokens(logits[idx], owner.request.config, owner.gen)
+        c = row.owner.request.config
+        groups.setdefault((c.temperature, c.top_k, c.top_p), []).append(j)
+    for js in groups.values():
+        idx = _rows_index(js, logits.device)
+        config = rows[js[0]].owner.request.config
+        if config.temperature == 0:
+            out[idx] = logits[idx].argmax(-1)
+            continue
+        per_request: dict[int, tuple[_Admitted, list[int]]] = {}  # in row order
+        for j in js:
+            per_request.setdefault(id(rows[j].owner), (rows[j].owner, []))[1].append(j)
+        u = torch.cat([_uniform(len(mine), owner.gen, logits.device) for owner, mine in per_request.values()])
+        out[idx] = _inverse_cdf(filtered_probs(logits[idx], config), u)
     return out
+
+
+def _rows_index(js: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Row indices as a slice when contiguous (a view, no copy), else a tensor."""
+    if js == list(range(js[0], js[-1] + 1)):
+        return slice(js[0], js[-1] + 1)
+    return torch.tensor(js, device=device)
 
 
 def sample_tokens(logits: torch.Tensor, c: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
     """(R, V) fp32 logits -> (R,) tokens: temperature, top-k, top-p, then one draw."""
     if c.temperature == 0:
         return logits.argmax(-1)
+    return _inverse_cdf(filtered_probs(logits, c), _uniform(logits.shape[0], gen, logits.device))
+
+
+def filtered_probs(logits: torch.Tensor, c: SamplingConfig) -> torch.Tensor:
+    """(R, V) fp32 logits -> (R, V) probabilities after temperature (> 0), top-k and top-p."""
     logits = logits / c.temperature
     if c.top_k > 0 and c.top_k < logits.shape[-1]:
         kth = logits.topk(c.top_k, dim=-1).values[:, -1:]
@@ -394,17 +420,21 @@ def sample_tokens(logits: torch.Tensor, c: SamplingConfig, gen: torch.Generator)
         drop = probs.cumsum(-1) - probs >= c.top_p
         sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
         logits = torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
-    return _inverse_cdf(logits.softmax(-1), gen)
+    return logits.softmax(-1)
 
 
-def _inverse_cdf(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One draw per row from (R, V) probabilities, using one uniform number per row.
+def _uniform(n: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """(n, 1) uniform numbers in [0, 1): the only randomness of a draw."""
+    return torch.rand(n, 1, generator=gen, dtype=torch.float32, device=device)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row from (R, V) probabilities, given one uniform number per row (R, 1).
 
     Cheaper than torch.multinomial, which draws V exponentials per row.
     """
     cdf = probs.cumsum(-1)  # (R, V)
-    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:

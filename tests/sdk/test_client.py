@@ -275,20 +275,20 @@ def test_ignore_eos_reaches_the_engine(local_core):
 
     sampler = trio.ServiceClient(transport=LocalTransport(local_core)).create_sampling_client(base_model=MODEL)
     engine = local_core.workers[MODEL].engine
-    seen, real = [], engine.sample
+    seen, real = [], engine.decode
 
-    def spy(jobs):
-        seen.extend(job.request.config for job in jobs)
-        return real(jobs)
+    def spy(admit, max_steps=1):
+        seen.extend(job.request.config for job in admit.values())
+        return real(admit, max_steps)
 
-    engine.sample = spy
+    engine.decode = spy
     try:
         prompt = trio.ModelInput.from_ints(TOKENS[:3])
         for params in (trio.SamplingParams(max_tokens=2), trio.SamplingParams(max_tokens=2, stop=[]),
                        trio.SamplingParams(max_tokens=2, stop=["\n"], ignore_eos=True)):
             sampler.sample(prompt, 1, params).result()
     finally:
-        del engine.sample
+        del engine.decode
     assert [(c.ignore_eos, c.stop_strings) for c in seen] == [(False, ()), (True, ()), (True, ("\n",))]
 
 

@@ -256,12 +256,12 @@ def test_a_character_split_across_tokens_streams_whole(alice, trained):
 def test_n_samples_are_one_sample_request_sharing_the_prompt(server, alice):
     engine = tiny_worker(server, alice).engine
     jobs: list = []
-    real = engine.sample
-    engine.sample = lambda batch: jobs.extend(batch) or real(batch)
+    real = engine.decode  # sampling runs in the worker's continuous decode batch
+    engine.decode = lambda admit, max_steps=1: jobs.extend(admit.values()) or real(admit, max_steps)
     try:
         reply = alice.client.chat.completions.create(model=TINY, messages=HELLO, max_tokens=5, n=3, seed=4)
     finally:
-        engine.sample = real
+        engine.decode = real
     assert [c.index for c in reply.choices] == [0, 1, 2]
     assert [job.request.num_samples for job in jobs] == [3]
     assert reply.usage.completion_tokens == 15
@@ -444,10 +444,10 @@ def test_neutral_values_and_unknown_fields_are_accepted(alice):
 
 
 def test_a_server_failure_is_500_server_error(server, alice, monkeypatch):
-    def broken(jobs):
+    def broken(admit, max_steps=1):
         raise RuntimeError("the engine broke")
 
-    monkeypatch.setattr(tiny_worker(server, alice).engine, "sample", broken)
+    monkeypatch.setattr(tiny_worker(server, alice).engine, "decode", broken)
     with pytest.raises(openai.InternalServerError) as caught:
         alice.client.completions.create(model=TINY, prompt="a", max_tokens=2)
     assert caught.value.type == "server_error" and "the engine broke" in caught.value.message
@@ -464,15 +464,15 @@ def test_a_prompt_beyond_the_context_is_400(alice):
 
 def test_openai_and_pytrio_samples_share_one_engine_pass(server, alice, bob, base, tok):
     """A chat request and another user's pytrio sample() queued together run in one
-    engine.sample call: the door adds no inference path of its own."""
+    admission to the engine's decode batch: the door adds no inference path of its own."""
     from concurrent.futures import ThreadPoolExecutor
 
     worker = tiny_worker(server, alice)  # alice's sampler on it exists now: the chat only samples
     other = bob.service.create_sampling_client(base_model=TINY)
     prompt = trio.ModelInput.from_ints(chat_tokens(tok))
     engine, calls = worker.engine, []
-    real = engine.sample
-    engine.sample = lambda jobs: calls.append(len(jobs)) or real(jobs)
+    real = engine.decode
+    engine.decode = lambda admit, max_steps=1: (admit and calls.append(len(admit))) or real(admit, max_steps)
     try:
         with ThreadPoolExecutor(1) as pool, engine.host.lock:  # keep the worker busy so both queue up
             blocker = other.compute_logprobs(prompt)
@@ -484,7 +484,7 @@ def test_openai_and_pytrio_samples_share_one_engine_pass(server, alice, bob, bas
         blocker.result()
         assert chat.result().choices[0].message.content == pytrio_future.result().sequences[0].text
     finally:
-        engine.sample = real
+        engine.decode = real
     assert calls == [2], calls
 
 
