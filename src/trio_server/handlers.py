@@ -183,7 +183,7 @@ def decode(ctx: Context, admit: list[WorkItem], live: list[str], max_steps: int 
     """Continuous batching: add ``admit`` to the engine's running decode batch (which holds
     the requests ``live``) and run ``max_steps`` steps; the outcome of every request that
     finished or failed, by request id. If the engine call itself fails (its process died),
-    every request of the batch fails with that error."""
+    or the engine no longer holds a request, those requests fail with a server error."""
     results: dict[str, Result] = {}
     jobs: dict[str, SampleJob] = {}
     if admit:
@@ -203,6 +203,11 @@ def decode(ctx: Context, admit: list[WorkItem], live: list[str], max_steps: int 
     if error:
         return results | dict.fromkeys([*live, *jobs], (None, error))
     results.update((rid, _outcome(out, _sample_response)) for rid, out in update.finished.items())
+    # A request the engine neither finished nor still holds was lost with its process (a Ray
+    # actor that restarted between two steps comes back with an empty batch).
+    lost = ServiceError("server", "the model host restarted while this request was decoding; submit it again", 500)
+    still = set(update.decoding)
+    results.update((rid, (None, lost)) for rid in [*live, *jobs] if rid not in results and rid not in still)
     return results
 
 

@@ -191,3 +191,20 @@ def test_decode_fails_a_bad_job_alone_and_a_broken_step_fails_the_batch(engine, 
     monkeypatch.undo()
     update = engine.decode({"again": ok})  # a fresh batch
     assert update.decoding == ["again"]
+
+
+def test_requests_an_engine_lost_between_steps_fail_instead_of_waiting(engine, tmp_path):
+    """A Ray actor that restarted between two decode steps comes back with an empty batch:
+    the requests it held must fail (clearly), not wait forever."""
+    import pytrio.types as t
+    from trio_server.handlers import Context, decode
+    from trio_server.scheduler import WorkItem
+
+    ctx = Context(MODEL, engine, store=None, data_dir=tmp_path)  # type: ignore[arg-type]
+    request = t.SampleRequest(sampler_id="s", prompt=t.ModelInput.from_ints([1, 5, 9]), num_samples=1,
+                              sampling_params=t.SamplingParams(max_tokens=5, ignore_eos=True))
+    item = WorkItem("req-1", "sample", request, "user", context={"sampler": {"model_path": None}})
+    assert decode(ctx, [item], []) == {}  # admitted, decoding
+    engine._decoding = engine.host.decode_batch()  # as after a restart: the batch is gone
+    [(result, error)] = decode(ctx, [], ["req-1"]).values()
+    assert result is None and error.category == "server" and "restarted" in error.message
