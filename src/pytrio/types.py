@@ -300,6 +300,8 @@ class SampledSequence(_Model):
 class SampleResponse(AwaitableResult, _Model):
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
+    # prompt tokens whose KV the server reused from a recent request's (its prefix cache)
+    prompt_cache_hit_tokens: int = 0
 
 
 class ComputeLogprobsResponse(_Model):

@@ -15,6 +15,7 @@ there, and everything it returns is device-free (Python lists, CPU checkpoints).
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Hashable, Sequence
@@ -96,6 +97,7 @@ class ModelHost:
         catalog: Catalog | None = None,
         max_batch_tokens: int = 4096,
         device: str | torch.device | None = None,
+        prefix_cache_bytes: int = 256 << 20,
     ):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -110,6 +112,9 @@ class ModelHost:
         self.max_batch_tokens = max_batch_tokens
         self.adapters: dict[str, Adapter] = {}
         self.lock = threading.RLock()  # one engine call at a time per host
+        self.prefix_cache = sampler.PrefixCache(prefix_cache_bytes)
+        self._generation = itertools.count(1)
+        self._adapter_generation: dict[str, int] = {}  # a re-created id never matches old cache keys
 
     # -- adapters ---------------------------------------------------------------------
 
@@ -118,6 +123,7 @@ class ModelHost:
             raise InvalidInputError(f"adapter_id: {adapter_id!r} already exists")
         lora.add_adapter(self.model, adapter_id, config)
         self.adapters[adapter_id] = Adapter(config)
+        self._adapter_generation[adapter_id] = next(self._generation)
 
     def delete_adapter(self, adapter_id: str) -> None:
         lora.remove_adapter(self.model, adapter_id)
@@ -126,6 +132,15 @@ class ModelHost:
     def adapter_params(self, adapter_id: str) -> dict[str, torch.Tensor]:
         self._adapter(adapter_id)
         return lora.adapter_tensors(self.model, adapter_id)
+
+    def weights_key(self, adapter_id: str | None) -> Hashable:
+        """Names an adapter's weights as they are now, for the sampler's prefix cache: its
+        id, its creation, and the sum of its tensors' in-place version counters (which every
+        optimizer step, load and hand edit raises), so it changes whenever the weights do."""
+        if adapter_id is None:
+            return None
+        versions = sum(t._version for t in self.adapter_params(adapter_id).values())
+        return adapter_id, self._adapter_generation.get(adapter_id, 0), versions
 
     def has_adapter(self, adapter_id: str) -> bool:
         return adapter_id in self.adapters
@@ -404,7 +419,7 @@ class ModelHost:
 
     def decode_batch(self) -> sampler.DecodeBatch:
         """An empty running decode batch on this host (continuous batching; see ``admit``)."""
-        return sampler.DecodeBatch(self)
+        return sampler.DecodeBatch(self, self.prefix_cache)
 
     def admit(self, batch: sampler.DecodeBatch, requests: list[sampler.SampleRequest],
               tickets: list[Hashable]) -> None:

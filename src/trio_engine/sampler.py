@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 import secrets
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -61,6 +62,10 @@ class SamplingHost(Protocol):
         """Trainer logprobs of a prompt (for ``prompt_logprobs``)."""
         ...
 
+    def weights_key(self, adapter_id: str | None) -> Hashable:
+        """Names the adapter's weights as they are now (changes whenever they change)."""
+        ...
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -95,6 +100,7 @@ class Sequence:
 class SampleResult:
     sequences: list[Sequence]
     prompt_logprobs: list[float | None] | None = None
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 def validate_request(req: SampleRequest, k: int, vocab_size: int, max_seq_len: int) -> None:
@@ -127,6 +133,55 @@ def validate_request(req: SampleRequest, k: int, vocab_size: int, max_seq_len: i
             )
 
 
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (heads, L, D)
+
+
+class PrefixCache:
+    """A bounded LRU of token sequences' KV states, per adapter weights.
+
+    A prompt that extends a sequence seen recently (a longer prompt of a multi-turn
+    rollout: the last prompt, the tokens sampled for it, the new turn) prefills only its
+    new tokens. Entries are keyed by ``(weights key, tokens)``: the weights key names the
+    adapter and the exact state of its weights (``ModelHost.weights_key``), so KV made
+    with other weights (before an ``optim_step``, a load) is never reused. A hit leaves
+    at least one prompt token to run: its hidden state gives the first draw. Bounded by
+    ``max_bytes`` of KV, least recently used out first; ``max_bytes=0`` turns it off.
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple[Hashable, tuple[int, ...]], KV] = OrderedDict()
+        self.nbytes = 0
+
+    def lookup(self, weights: Hashable, prompt: list[int]) -> tuple[int, KV | None]:
+        """(tokens reused, their KV) of the longest entry that is a proper prefix of ``prompt``."""
+        best: tuple[Hashable, tuple[int, ...]] | None = None
+        for key in self.entries:
+            w, tokens = key
+            n = len(tokens)
+            if w == weights and n < len(prompt) and (best is None or n > len(best[1])) and tuple(prompt[:n]) == tokens:
+                best = key
+        if best is None:
+            return 0, None
+        self.entries.move_to_end(best)
+        return len(best[1]), self.entries[best]
+
+    def store(self, weights: Hashable, tokens: list[int], kv: KV) -> None:
+        key = (weights, tuple(tokens))
+        size = _kv_bytes(kv)
+        if key in self.entries or size > self.max_bytes:
+            return
+        self.entries[key] = kv
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.nbytes -= _kv_bytes(old)
+
+
+def _kv_bytes(kv: KV) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+
 @dataclass
 class _Admitted:
     """One request in a decode batch: its generator, rows, and rows still decoding."""
@@ -135,6 +190,8 @@ class _Admitted:
     request: SampleRequest
     gen: torch.Generator
     prompt_logprobs: list[float | None] | None
+    weights: Hashable = None  # the weights key its KV is made with (for the prefix cache)
+    cached: int = 0  # prompt tokens reused from the prefix cache
     rows: list[_Row] = field(default_factory=list)
     decoding: int = 0
 
@@ -170,8 +227,9 @@ class DecodeBatch:
     host's lock and ``torch.no_grad`` (``ModelHost.admit`` / ``ModelHost.decode_step``).
     """
 
-    def __init__(self, host: SamplingHost):
+    def __init__(self, host: SamplingHost, prefix_cache: PrefixCache | None = None):
         self.host = host
+        self.prefix = prefix_cache if prefix_cache is not None and prefix_cache.max_bytes > 0 else None
         self.eos = _eos_ids(host)
         self._reset()
 
@@ -210,12 +268,18 @@ class DecodeBatch:
             return
         tickets = list(range(len(requests))) if tickets is None else tickets
         dev = self.host.device
+        weights = [self.host.weights_key(r.adapter_id) if self.prefix else None for r in requests]
+        hits = [self.prefix.lookup(w, r.prompt) if self.prefix else (0, None) for w, r in zip(weights, requests)]
         cache = DynamicCache()
-        hidden, mask = _prefill(self.host, requests, cache)  # (P, H), (P, L')
+        hidden, mask = _prefill(self.host, requests, cache, hits)  # (P, H), (P, L')
+        if self.prefix:
+            for k, (w, r) in enumerate(zip(weights, requests)):
+                self.prefix.store(w, r.prompt, _row_kv(cache, mask, k))
         admitted = [
             _Admitted(ticket, r, _generator(r.config.seed, dev),
-                      self.host.compute_logprobs(r.adapter_id, r.prompt) if r.prompt_logprobs else None)
-            for ticket, r in zip(tickets, requests)
+                      self.host.compute_logprobs(r.adapter_id, r.prompt) if r.prompt_logprobs else None,
+                      w, n)
+            for ticket, r, w, (n, _) in zip(tickets, requests, weights, hits)
         ]
         rows = []
         for a in admitted:
@@ -253,6 +317,9 @@ class DecodeBatch:
                 keep.append(j)
                 continue
             row.owner.decoding -= 1
+            if self.prefix and row.owner.request.num_samples == 1:  # the next turn may extend it
+                self.prefix.store(row.owner.weights, row.owner.request.prompt + row.tokens[:-1],
+                                  _row_kv(self.cache, self.mask, j))
             if row.owner.decoding == 0:
                 finished.append((row.owner.ticket, self._result(row.owner)))
         if not keep:
@@ -283,6 +350,7 @@ class DecodeBatch:
         return SampleResult(
             [Sequence(r.tokens, r.logprobs, decode(r.tokens, skip_special_tokens=True), r.stop_reason) for r in a.rows],
             a.prompt_logprobs,
+            a.cached,
         )
 
 
@@ -292,7 +360,7 @@ def generate(host: SamplingHost, requests: list[SampleRequest]) -> list[SampleRe
     All requests are admitted at once and decoded until the last one finishes (a finished
     request still leaves the batch at once, so later steps are cheaper).
     """
-    batch = DecodeBatch(host)
+    batch = DecodeBatch(host, getattr(host, "prefix_cache", None))
     batch.admit(requests)
     results: dict[Hashable, SampleResult] = {}
     while len(batch):
@@ -328,19 +396,44 @@ def _pad_left(x: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
     return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
-def _prefill(host: SamplingHost, requests: list[SampleRequest], cache: DynamicCache):
-    """Left-padded prompts -> hidden state of each prompt's last token (P, H), mask (P, L)."""
-    width = max(len(r.prompt) for r in requests)
+def _prefill(host: SamplingHost, requests: list[SampleRequest], cache: DynamicCache,
+             hits: list[tuple[int, KV | None]]):
+    """Left-padded prompts -> hidden state of each prompt's last token (P, H), mask (P, L).
+
+    ``hits[k]`` = (n, KV of prompt k's first n tokens) from the prefix cache, or (0, None):
+    those KV go into ``cache`` first (left-padded to the longest hit), and only the rest
+    of each prompt runs. Positions count real tokens, so a row's padding in the middle
+    (between its reused KV and its new tokens) changes nothing.
+    """
+    suffixes = [r.prompt[n:] for r, (n, _) in zip(requests, hits)]
+    width = max(len(s) for s in suffixes)
     pad = host.tokenizer.pad_token_id or 0
     dev = host.device
-    ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in requests], device=dev)
-    mask = torch.tensor(
-        [[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in requests], device=dev
-    )  # (P, L)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids = torch.tensor([[pad] * (width - len(s)) + s for s in suffixes], device=dev)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in suffixes], device=dev)  # (P, L)
+    past = max(n for n, _ in hits)
+    if past:
+        mask = torch.cat([torch.tensor([[0] * (past - n) + [1] * n for n, _ in hits], device=dev), mask], dim=1)
+        _fill_cache(cache, [kv for _, kv in hits], past)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
     with host.routing.use(lora.segments([r.adapter_id for r in requests], dev)):
         out = _trunk(host, ids, mask, positions, cache)
     return out.last_hidden_state[:, -1], mask
+
+
+def _fill_cache(cache: DynamicCache, kvs: list[KV | None], width: int) -> None:
+    """Put each row's reused KV (or nothing) into an empty cache, left-padded to ``width``."""
+    template = next(kv for kv in kvs if kv is not None)
+    for layer, (k0, v0) in enumerate(template):
+        keys = torch.cat([_pad_left((kv[layer][0] if kv else k0[:, :0])[None], width) for kv in kvs])
+        values = torch.cat([_pad_left((kv[layer][1] if kv else v0[:, :0])[None], width) for kv in kvs])
+        cache.update(keys, values, layer)
+
+
+def _row_kv(cache: DynamicCache, mask: torch.Tensor, row: int) -> KV:
+    """Row ``row``'s KV at its real positions, copied out of the batch: per layer (heads, L, D)."""
+    real = mask[row].bool()
+    return [(layer.keys[row][:, real].clone(), layer.values[row][:, real].clone()) for layer in _kv_layers(cache)]
 
 
 def _decode(host: SamplingHost, tokens: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, adapters):

@@ -223,7 +223,8 @@ def log_outcome(item: WorkItem, result: Result, elapsed_ms: float) -> None:
 def _sample_response(out: SampleResult) -> t.SampleResponse:
     seqs = [t.SampledSequence(tokens=s.tokens, logprobs=s.logprobs, text=s.text,
                               stop_reason=cast(StopReason, s.stop_reason)) for s in out.sequences]
-    return t.SampleResponse(sequences=seqs, prompt_logprobs=out.prompt_logprobs)
+    return t.SampleResponse(sequences=seqs, prompt_logprobs=out.prompt_logprobs,
+                            prompt_cache_hit_tokens=out.cached_prompt_tokens)
 
 
 def _sampler_weights(ctx: Context, sampler: dict) -> str | None:

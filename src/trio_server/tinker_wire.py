@@ -118,4 +118,5 @@ def encode_sample_output(result: dict) -> bytes:
     if result.get("prompt_logprobs") is not None:
         values = [math.nan if v is None else v for v in result["prompt_logprobs"]]
         out.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
+    out.prompt_cache_hit_tokens = int(result.get("prompt_cache_hit_tokens") or 0)
     return out.SerializeToString()

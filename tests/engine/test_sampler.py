@@ -361,3 +361,74 @@ def test_bf16_logprobs_stay_near_the_trainers_in_a_shared_batch(new_id):
             diffs += [abs(a - b) for a, b in zip(seq.logprobs, trainer)]
     assert len(diffs) == 8 * 16
     assert max(diffs) < BF16_MAX_DIFF and sum(diffs) / len(diffs) < BF16_MEAN_DIFF, (max(diffs), sum(diffs) / len(diffs))
+
+
+# -- the prefix cache: a prompt extending a recent one prefills only its new tokens -----------
+
+
+def without_prefix_cache(host, req):
+    """The request decoded with no prefix cache at all: the reference."""
+    from trio_engine import DecodeBatch
+
+    batch = DecodeBatch(host, None)
+    batch.admit([req], ["ref"])
+    results = {}
+    while len(batch):
+        results.update(batch.step())
+    return results["ref"]
+
+
+def test_a_next_turn_reuses_the_last_turns_kv_and_samples_as_without_it(tiny_host, adapted):
+    """Turn 2 = turn 1's prompt + its sampled tokens + new tokens: all but the newest
+    sampled token's KV come from the cache, and tokens and logprobs are as without it."""
+    cfg = SamplingConfig(max_tokens=6, temperature=1.0, seed=31, ignore_eos=True)
+    turn1 = SampleRequest(adapted, [11, 12, 13, 14, 15, 16], 1, cfg)
+    first = tiny_host.sample([turn1])[0]
+    assert first.cached_prompt_tokens == 0
+    turn2 = SampleRequest(adapted, turn1.prompt + first.sequences[0].tokens + [17, 18], 1, cfg)
+    with torch.no_grad():
+        want = without_prefix_cache(tiny_host, turn2)
+    got = tiny_host.sample([turn2])[0]
+    assert got.cached_prompt_tokens == len(turn1.prompt) + len(first.sequences[0].tokens) - 1
+    assert got.sequences[0].tokens == want.sequences[0].tokens
+    torch.testing.assert_close(torch.tensor(got.sequences[0].logprobs), torch.tensor(want.sequences[0].logprobs),
+                               atol=1e-5, rtol=1e-5)
+    # the same prompt with another adapter (here: none) reuses nothing
+    assert tiny_host.sample([SampleRequest(None, turn2.prompt, 1, cfg)])[0].cached_prompt_tokens == 0
+
+
+def test_changed_weights_never_reuse_old_kv(tiny_host, new_id):
+    aid = new_id("prefix")
+    tiny_host.create_adapter(aid, LoraConfig(rank=2, seed=3))
+    randomize_adapter(tiny_host, aid, seed=1, scale=0.2)
+    greedy = SamplingConfig(max_tokens=4, temperature=0.0)
+    base = [21, 22, 23, 24, 25]
+    tiny_host.sample([SampleRequest(aid, base, 1, greedy)])
+    longer = SampleRequest(aid, base + [26, 27], 1, greedy)
+    assert tiny_host.sample([longer])[0].cached_prompt_tokens >= len(base)
+    randomize_adapter(tiny_host, aid, seed=2, scale=0.2)  # as an optim_step or a load would
+    with torch.no_grad():
+        want = without_prefix_cache(tiny_host, longer)
+    got = tiny_host.sample([longer])[0]
+    assert got.cached_prompt_tokens == 0
+    assert got.sequences[0].tokens == want.sequences[0].tokens
+    tiny_host.delete_adapter(aid)
+
+
+def test_the_prefix_cache_is_bounded_least_recently_used_out_first():
+    from trio_engine.sampler import PrefixCache
+
+    def kv(n):  # one layer, 2 heads, n tokens, dim 4: 2 * 2 * n * 4 * 4 bytes
+        return [(torch.zeros(2, n, 4), torch.zeros(2, n, 4))]
+
+    cache = PrefixCache(max_bytes=64 * 10)  # room for 10 tokens
+    cache.store("w", [1, 2, 3, 4], kv(4))
+    cache.store("w", [5, 6, 7, 8], kv(4))
+    assert cache.lookup("w", [1, 2, 3, 4, 9])[0] == 4  # now the most recently used
+    cache.store("w", [9, 9, 9], kv(3))  # over the bound: [5..8] leaves, not [1..4]
+    assert cache.nbytes <= cache.max_bytes
+    assert cache.lookup("w", [5, 6, 7, 8, 1])[0] == 0 and cache.lookup("w", [1, 2, 3, 4, 1])[0] == 4
+    assert cache.lookup("other", [1, 2, 3, 4, 1])[0] == 0  # per weights
+    assert cache.lookup("w", [1, 2, 3, 4])[0] == 0  # a hit leaves a token to run
+    cache.store("w", list(range(20)), kv(20))  # larger than the whole cache: not stored
+    assert cache.lookup("w", list(range(21)))[0] == 0 and cache.nbytes <= cache.max_bytes

@@ -386,3 +386,18 @@ def test_a_short_sample_joins_a_running_decode_and_finishes_first(tmp_path):
     assert max(len(live) for live in steps) == 2  # short shared the long one's batch
     assert worker.decode_steps == len(steps) < 40 + 3  # not one batch after the other
     core.close()
+
+
+def test_a_next_turn_reports_the_prompt_tokens_it_reused(tmp_path):
+    """Multi-turn through the SDK: turn 2 extends turn 1 (prompt + sampled tokens + more), and
+    its response says how many prompt tokens came from the prefix cache."""
+    core = ServiceCore(tmp_path, dtype="float32")
+    sampler = trio.ServiceClient(transport=LocalTransport(core)).create_sampling_client(base_model=MODEL)
+    params = trio.SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)
+    turn1 = [1, 5, 9, 200, 31]
+    first = sampler.sample(trio.ModelInput.from_ints(turn1), 1, params).result()
+    assert first.prompt_cache_hit_tokens == 0
+    turn2 = turn1 + first.sequences[0].tokens + [7, 8]
+    second = sampler.sample(trio.ModelInput.from_ints(turn2), 1, params).result()
+    assert second.prompt_cache_hit_tokens == len(turn1) + 5 - 1  # all but the last sampled token
+    core.close()

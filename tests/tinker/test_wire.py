@@ -66,8 +66,9 @@ def test_outputs_decode_with_the_sdk():
     assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-1.0, -2.0], [-0.5]]
 
     sample = {"sequences": [{"tokens": [4, 2], "logprobs": [-0.25, -0.5], "stop_reason": "stop", "text": "x"}],
-              "prompt_logprobs": [None, -1.5]}
+              "prompt_logprobs": [None, -1.5], "prompt_cache_hit_tokens": 7}
     decoded = deserialize_sample_response(encode_sample_output(sample))
+    assert decoded.prompt_cache_hit_tokens == 7
     seq = decoded.sequences[0]
     assert seq.tokens == [4, 2] and seq.logprobs == [-0.25, -0.5] and seq.stop_reason == "stop"
     first, second = decoded.prompt_logprobs
