@@ -1,14 +1,28 @@
 """The request cycle every operation shares: submit once (idempotently), then long-poll
 the future until it is done or failed, and map failures onto the SDK's errors.
-Pure of I/O details: the transport moves the bytes."""
+Pure of I/O details: the transport moves the bytes.
+
+A long wait is not silent: once a request has waited ``QUEUE_NOTICE_AFTER`` seconds
+while queued behind others, one line goes to the ``pytrio.queue`` logger, and again
+every ``QUEUE_NOTICE_EVERY`` seconds while it stays queued::
+
+    pytrio: request req-1f2e queued: position 3, starts in ~12 s (waited 10 s)
+
+It is logged at WARNING so that it shows with no logging set up (Python prints WARNING
+and above to stderr by default; pytrio installs no handler). Silence it with
+``logging.getLogger("pytrio.queue").setLevel(logging.ERROR)``. A request that is
+running, not queued, prints nothing.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,6 +39,40 @@ R = TypeVar("R", bound=BaseModel)
 
 POLL_SECONDS = 30.0
 RECONNECT_SECONDS = 60.0
+QUEUE_NOTICE_AFTER = 10.0  # seconds of waiting before the first "queued" line
+QUEUE_NOTICE_EVERY = 30.0  # then at most one line per this many seconds
+
+queue_log = logging.getLogger("pytrio.queue")
+
+
+class QueueNotice:
+    """When to say where a waiting request stands, and what to say. Pure but for the clock.
+
+    ``poll_timeout`` shortens a long poll so that an answer comes back when a line is
+    due; ``line`` turns a pending answer into that line (None: not due, or not queued).
+    """
+
+    def __init__(self, request_id: str, clock: Callable[[], float],
+                 after: float = QUEUE_NOTICE_AFTER, every: float = QUEUE_NOTICE_EVERY):
+        self.request_id, self.clock, self.every = request_id, clock, every
+        self.started = clock()
+        self.due = self.started + after
+
+    def poll_timeout(self) -> float:
+        """How long the next long poll may wait: until the next line is due, at most POLL_SECONDS."""
+        return min(POLL_SECONDS, max(1.0, self.due - self.clock()))
+
+    def line(self, state: FutureResponse) -> str | None:
+        now = self.clock()
+        if now < self.due:
+            return None
+        self.due = now + self.every
+        if state.queue_position is None or state.queue_state == "running":
+            return None
+        eta = ("no start estimate yet" if state.starts_in_seconds is None
+               else f"starts in ~{state.starts_in_seconds:.0f} s")
+        return (f"pytrio: request {self.request_id} queued: position {state.queue_position}, {eta} "
+                f"(waited {now - self.started:.0f} s)")
 
 
 class Session:
@@ -61,8 +109,11 @@ class Session:
         return await self._result(request_id, result_type)
 
     async def _result(self, request_id: str, result_type: type[R]) -> R:
+        notice = QueueNotice(request_id, time.monotonic)
         while True:
-            state = await self._retrieve(request_id)
+            state = await self._retrieve(request_id, notice.poll_timeout())
+            if state.status == "pending" and (line := notice.line(state)):
+                queue_log.warning(line)
             if state.status == "done":
                 return result_type.model_validate(state.result)
             if state.status == "failed":
@@ -70,13 +121,13 @@ class Session:
                 raise error_from_category(state.error.category, state.error.message, request_id,
                                           state.error.status_code)
 
-    async def _retrieve(self, request_id: str) -> FutureResponse:
-        """One long poll; rides out a service restart for up to RECONNECT_SECONDS."""
+    async def _retrieve(self, request_id: str, timeout: float = POLL_SECONDS) -> FutureResponse:
+        """One long poll (of ``timeout`` s); rides out a service restart for up to RECONNECT_SECONDS."""
         deadline = time.monotonic() + RECONNECT_SECONDS
         delay = 0.1
         while True:
             try:
-                return await self.transport.retrieve(request_id, POLL_SECONDS)
+                return await self.transport.retrieve(request_id, timeout)
             except (TrioConnectionError, TrioTimeoutError) as exc:
                 if time.monotonic() > deadline:
                     exc.request_id = request_id

@@ -6,6 +6,8 @@
     GET  /api/v1/capabilities, /tokenizer, /runs, /runs/{id}, /checkpoints
     GET  /api/v1/runs/{id}/metrics    the run's steps: [{step, metrics}]
     POST /api/v1/runs/{id}/metrics    {step | null, metrics: {name: value}}: a client's own
+    GET  /api/v1/usage                the caller's tokens trained/prefilled/sampled, per run, and budget
+    GET  /api/v1/runs/{id}/usage      one run's tokens
     /tinker/api/v1/...                the tinker SDK's routes (tinker_api.py)
     /openai/v1/...                    OpenAI-compatible chat, completions, models (openai_api.py)
     DELETE /api/v1/checkpoints?path=  GET /api/v1/checkpoints/archive?path= (ranges)
@@ -113,6 +115,14 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
     @app.post("/api/v1/runs/{run_id}/metrics")
     def log_metrics(run_id: str, body: t.LogMetricsRequest, request: Request) -> t.LogMetricsResponse:
         return core.log_metrics(user(request), run_id, body)
+
+    @app.get("/api/v1/usage")
+    def usage(request: Request) -> t.Usage:
+        return core.usage(user(request))
+
+    @app.get("/api/v1/runs/{run_id}/usage")
+    def run_usage(run_id: str, request: Request) -> t.RunUsage:
+        return core.run_usage(user(request), run_id)
 
     @app.get("/api/v1/checkpoints")
     def list_checkpoints(request: Request, run_id: str | None = None) -> list[t.Checkpoint]:

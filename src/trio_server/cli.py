@@ -1,4 +1,4 @@
-"""The service's ``trio`` commands: ``trio serve``, ``trio keys create|list|revoke``, ``trio tokenizers install``.
+"""The service's ``trio`` commands: ``trio serve``, ``trio keys create|list|revoke|budget``, ``trio tokenizers install``.
 
 They live in the service package, not the SDK: they start or administer the server, and
 the SDK never imports the server (only ``pytrio.transport.local`` does, to run it
@@ -104,10 +104,14 @@ def _store(args: argparse.Namespace) -> Any:
 
 
 def keys_list(args: argparse.Namespace) -> None:
-    """One line per key: id (a hash prefix, not secret), name, created, revoked."""
-    print(f"{'ID':<14}{'NAME':<24}{'CREATED':<31}REVOKED")
-    for k in _store(args).list_api_keys():
-        print(f"{k['id']:<14}{k['name']:<24}{k['created_at']:<31}{k['revoked_at'] or '-'}")
+    """One line per key: id (a hash prefix, not secret), name, created, token budget and
+    tokens used (trained + prefilled + sampled; see ``trio usage``), revoked."""
+    store = _store(args)
+    print(f"{'ID':<14}{'NAME':<24}{'CREATED':<31}{'BUDGET':>14}{'USED':>14}  REVOKED")
+    for k in store.list_api_keys():
+        budget = "-" if k["budget_tokens"] is None else str(k["budget_tokens"])
+        print(f"{k['id']:<14}{k['name']:<24}{k['created_at']:<31}{budget:>14}{store.usage_total(k['user_id']):>14}"
+              f"  {k['revoked_at'] or '-'}")
 
 
 def keys_revoke(args: argparse.Namespace) -> None:
@@ -119,8 +123,28 @@ def keys_revoke(args: argparse.Namespace) -> None:
     print(f"revoked key {key['id']} ({key['name']!r})")
 
 
+def keys_budget(args: argparse.Namespace) -> None:
+    """Set (or with ``none`` lift) a key's token budget; a running server applies it from
+    the key's next submit."""
+    try:
+        key = _store(args).set_budget(args.key, args.tokens)
+    except KeyError as exc:
+        sys.exit(f"trio keys budget: {exc.args[0]}")
+    limit = "no limit" if args.tokens is None else f"{args.tokens} tokens"
+    print(f"key {key['id']} ({key['name']!r}): budget {limit}")
+
+
+def budget(value: str) -> int | None:
+    """A token budget: a whole number >= 0, or ``none`` for no limit."""
+    if value.lower() == "none":
+        return None
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"a budget is a whole number of tokens >= 0 or 'none', got {value!r}")
+    return int(value)
+
+
 def keys_create(args: argparse.Namespace) -> None:
-    key = _store(args).create_api_key(args.name)
+    key = _store(args).create_api_key(args.name, args.budget_tokens)
     print(key)
     print(f"# key {args.name!r} created; it is shown only this once. Use: export PYTRIO_API_KEY={key}", file=sys.stderr)
     print(f"# for the tinker SDK: export TINKER_API_KEY=tml-{key}", file=sys.stderr)
@@ -222,10 +246,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", required=True)
     k = keys.add_parser("create", help="create an API key and print it once")
     k.add_argument("--name", required=True)
+    k.add_argument("--budget-tokens", type=budget, metavar="N",
+                   help="tokens (trained + prefilled + sampled) the key may use; then its new work is "
+                        "refused (default: no limit)")
     k.add_argument("--data-dir")
     k.add_argument("--db")
     k.set_defaults(func=keys_create)
-    k = keys.add_parser("list", help="list API keys: id, name, created, revoked (never the key)")
+    k = keys.add_parser("list", help="list API keys: id, name, created, budget, used, revoked (never the key)")
     k.add_argument("--data-dir")
     k.add_argument("--db")
     k.set_defaults(func=keys_list)
@@ -234,6 +261,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--data-dir")
     k.add_argument("--db")
     k.set_defaults(func=keys_revoke)
+    k = keys.add_parser("budget", help="set a key's token budget (trained + prefilled + sampled); "
+                                       "a running server applies it at the key's next submit")
+    k.add_argument("key", help="the key's id (from trio keys list) or its name")
+    k.add_argument("tokens", type=budget, help="a number of tokens, or 'none' for no limit")
+    k.add_argument("--data-dir")
+    k.add_argument("--db")
+    k.set_defaults(func=keys_budget)
 
     tok = sub.add_parser("tokenizers", help="tokenizers for clients (the tinker SDK, tinker-cookbook)")
     tsub = tok.add_subparsers(dest="tokenizers_command", required=True)

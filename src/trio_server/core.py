@@ -35,12 +35,14 @@ from . import checkpoints as ckpt
 from .engine import Engine, EngineSettings, LocalEngine
 from .errors import RESTART_MESSAGE, ServiceError, not_found
 from .handlers import Context, remove_checkpoint
+from .queueing import QueueInfo, describe
 from .scheduler import WorkItem
 from .store import Store, dumps, now
 from .store import checkpoints as checkpoints_table
 from .store import requests as requests_table
 from .store import runs as runs_table
 from .store import samplers as samplers_table
+from .usage import COUNTED_OPS, check_budget, tokens_of, usage_response
 from .worker import HostWorker, Sequencing
 
 log = logging.getLogger("trio.server")
@@ -81,11 +83,23 @@ class Outcome:
     result_json: str | None = None
     error: t.ErrorInfo | None = None
     queue_state: str | None = None
+    queue_position: int | None = None
+    starts_in_seconds: float | None = None
+
+    @classmethod
+    def pending(cls, info: QueueInfo | None) -> Outcome:
+        """Not finished: running, or queued at a position (None: taken, finishing)."""
+        if info is None:
+            return cls("pending", queue_state="running")
+        starts_in = None if info.starts_in is None else round(info.starts_in, 1)
+        return cls("pending", queue_state=describe(info), queue_position=info.position, starts_in_seconds=starts_in)
 
     def to_json(self, request_id: str) -> str:
         """The FutureResponse body, splicing in the result exactly as it was stored."""
-        head = {"request_id": request_id, "status": self.status, "queue_state": self.queue_state,
+        head: dict[str, Any] = {"request_id": request_id, "status": self.status, "queue_state": self.queue_state,
                 "error": self.error.model_dump() if self.error else None}
+        if self.status == "pending":
+            head.update(queue_position=self.queue_position, starts_in_seconds=self.starts_in_seconds)
         body = dumps(head)
         return body[:-1] + ',"result":' + (self.result_json or "null") + "}"
 
@@ -184,6 +198,7 @@ class ServiceCore:
             item = WorkItem(request_id="req-" + secrets.token_hex(8), op=op, request=self._parse(op, body),
                             user_id=user_id)
             base_model = self._route(item)
+            self._check_budget(item)
         except ServiceError as exc:
             if (place := self._place_of_refused(user_id, body)) is None:
                 raise
@@ -253,7 +268,7 @@ class ServiceCore:
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
         except asyncio.TimeoutError:
-            return Outcome("pending", queue_state=self._queue_state(request_id))
+            return Outcome.pending(self._queue_info(request_id))
 
     def _stored_outcome(self, user_id: str, request_id: str) -> Outcome:
         row = self.store.get(requests_table, request_id=request_id)
@@ -264,12 +279,17 @@ class ServiceCore:
             return Outcome("failed", error=t.ErrorInfo(category="server", message=RESTART_MESSAGE))
         return Outcome(row["status"], row["result"], error)
 
+    def _queue_info(self, request_id: str) -> QueueInfo | None:
+        """Where a pending request stands on its host; None once no worker holds it
+        (taken, finishing: it resolves in a moment)."""
+        for worker in list(self.workers.values()):
+            info = worker.queue_info(request_id)
+            if info is not None:
+                return info
+        return None
+
     def _queue_state(self, request_id: str) -> str:
-        for worker in self.workers.values():
-            position = worker.position(request_id)
-            if position is not None:
-                return f"queued (position {position})" if position else "running"
-        return "running"
+        return Outcome.pending(self._queue_info(request_id)).queue_state or "running"
 
     def _unregister(self, request_id: str) -> None:
         with self.lock:
@@ -364,6 +384,13 @@ class ServiceCore:
         """A checkpoint's record; 404 unless it is this user's."""
         return self._checkpoint(user_id, path)
 
+    def _check_budget(self, item: WorkItem) -> None:
+        """A key whose token budget is spent submits no more token work (usage.py says
+        what counts, and why 403). Checked before anything changes; other operations
+        (saving, downloading) stay allowed. Requests already accepted still run."""
+        if item.op in COUNTED_OPS and (budget := self.store.budget_of(item.user_id)) is not None:
+            check_budget(budget, self.store.usage_total(item.user_id))
+
     def _check_seq(self, item: WorkItem) -> None:
         assert item.run_id is not None and item.seq is not None
         expected = self.next_seq.get(item.run_id, 0)
@@ -430,6 +457,7 @@ class ServiceCore:
             assert result is not None
             outcome = Outcome("done", result.model_dump_json())
             self.store.update(requests_table, "request_id", item.request_id, status="done", result=outcome.result_json)
+            self._count_usage(item, result)
         else:
             outcome = Outcome("failed", error=t.ErrorInfo(category=error.category, message=error.message,
                                                           status_code=error.status))
@@ -443,6 +471,15 @@ class ServiceCore:
         if future is not None and not future.done():
             future.set_result(outcome)
         self._forget_old(item)
+
+    def _count_usage(self, item: WorkItem, result: pydantic.BaseModel) -> None:
+        """Add a done request's tokens to its user's usage (usage.py); a failure to count is
+        logged and never fails the request, whose result is already stored."""
+        try:
+            run_id, n = tokens_of(item, result)
+            self.store.add_usage(item.user_id, run_id, n.trained, n.prefilled, n.sampled)
+        except Exception:
+            log.exception("request=%s run=%s: counting its token usage failed", item.request_id, item.run_id)
 
     def _forget_old(self, item: WorkItem) -> None:
         """Finished futures stay in memory for a while; after that the store answers."""
@@ -523,6 +560,16 @@ class ServiceCore:
         """The run's steps in order, each with the service's and the client's metrics."""
         self._run(user_id, run_id)
         return [t.StepMetrics(step=step, metrics=metrics) for step, metrics in self.store.run_metrics(run_id)]
+
+    def usage(self, user_id: str) -> t.Usage:
+        """The user's token usage: totals, one row per run, and the key's budget."""
+        return usage_response(self.store.usage_by_run(user_id), self.store.budget_of(user_id))
+
+    def run_usage(self, user_id: str, run_id: str) -> t.RunUsage:
+        """One run's token usage (sampling from its weights included); 404 unless it is this user's."""
+        self._run(user_id, run_id)
+        rows = self.store.usage_by_run(user_id, run_id)
+        return t.RunUsage(**rows[0]) if rows else t.RunUsage(run_id=run_id)
 
     def list_checkpoints(self, user_id: str, run_id: str | None = None) -> list[t.Checkpoint]:
         where = {"user_id": user_id} | ({"run_id": run_id} if run_id else {})

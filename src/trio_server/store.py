@@ -1,7 +1,8 @@
 """Persistence through SQLAlchemy Core: SQLite in the data dir by default, or PostgreSQL.
 
 Tables: api_keys (hashed), runs, requests (futures with their serialized results),
-checkpoints, samplers, step_metrics (each run's per-step metrics, one row per value).
+checkpoints, samplers, step_metrics (each run's per-step metrics, one row per value),
+usage (tokens each user's successful requests processed, per run; see ``add_usage``).
 Results are stored as the JSON text that is sent to clients.
 """
 
@@ -25,6 +26,8 @@ api_keys = sa.Table(
     sa.Column("name", sa.String(128), nullable=False),
     sa.Column("created_at", sa.String(32), nullable=False),
     sa.Column("revoked_at", sa.String(32)),  # set by ``trio keys revoke``; a revoked key is refused
+    # tokens (trained + prefilled + sampled) this key may use; NULL: no limit (core._check_budget)
+    sa.Column("budget_tokens", sa.BigInteger),
 )
 runs = sa.Table(
     "runs", metadata,
@@ -81,6 +84,20 @@ step_metrics = sa.Table(
     sa.Column("value", sa.Float, nullable=False),  # double precision on PostgreSQL and SQLite
 )
 
+usage = sa.Table(
+    "usage", metadata,
+    # A key is its own user (``create_api_key`` makes one user per key), so a user's rows
+    # are its key's usage. run_id "" collects sampling that belongs to no run (a sampler
+    # on a base model): a primary key column cannot be NULL.
+    sa.Column("user_id", sa.String(64), primary_key=True),
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("trained", sa.BigInteger, nullable=False, default=0),
+    sa.Column("prefilled", sa.BigInteger, nullable=False, default=0),
+    sa.Column("sampled", sa.BigInteger, nullable=False, default=0),
+)
+NO_RUN = ""
+USAGE_KINDS = ("trained", "prefilled", "sampled")
+
 
 def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
@@ -105,11 +122,13 @@ class Store:
         _add_missing_columns(self.engine)
 
     # -- api keys -------------------------------------------------------------------
-    def create_api_key(self, name: str) -> str:
+    def create_api_key(self, name: str, budget_tokens: int | None = None) -> str:
+        """A new key of a new user; ``budget_tokens``: see ``set_budget``."""
         key = "trio-" + secrets.token_urlsafe(32)
         user_id = "user-" + secrets.token_hex(6)
         with self.engine.begin() as c:
-            c.execute(api_keys.insert().values(key_hash=hash_key(key), user_id=user_id, name=name, created_at=now()))
+            c.execute(api_keys.insert().values(key_hash=hash_key(key), user_id=user_id, name=name, created_at=now(),
+                                               budget_tokens=budget_tokens))
         return key
 
     def user_for_key(self, key: str) -> str | None:
@@ -136,10 +155,11 @@ class Store:
         12 hex digits of the key's hash: a handle for revoking, useless for signing in."""
         rows = self.select(api_keys, order_by="created_at")
         return [{"id": r["key_hash"][:KEY_ID_LEN], "name": r["name"], "user_id": r["user_id"],
-                 "created_at": r["created_at"], "revoked_at": r["revoked_at"]} for r in rows]
+                 "created_at": r["created_at"], "revoked_at": r["revoked_at"],
+                 "budget_tokens": r["budget_tokens"]} for r in rows]
 
-    def revoke_api_key(self, id_or_name: str) -> dict:
-        """Revoke the one key whose id (or id prefix) or name is ``id_or_name``.
+    def find_api_key(self, id_or_name: str, action: str = "revoke") -> dict:
+        """The one key (as ``list_api_keys`` lists it) whose id or name is ``id_or_name``.
 
         Raises:
             KeyError: no key, or several, match (the message says which).
@@ -148,12 +168,72 @@ class Store:
         found = [k for k in keys if k["id"] == id_or_name] or [k for k in keys if k["name"] == id_or_name]
         if len(found) != 1:
             ids = ", ".join(k["id"] for k in found)
-            raise KeyError(f"key {id_or_name!r}: " + (f"matches {len(found)} keys ({ids}); revoke by id"
+            raise KeyError(f"key {id_or_name!r}: " + (f"matches {len(found)} keys ({ids}); {action} by id"
                                                       if found else "no key has this id or name"))
-        with self.engine.begin() as c:
-            c.execute(api_keys.update().where(api_keys.c.key_hash.startswith(found[0]["id"]))
-                      .values(revoked_at=found[0]["revoked_at"] or now()))
         return found[0]
+
+    def revoke_api_key(self, id_or_name: str) -> dict:
+        """Revoke the one key whose id or name is ``id_or_name`` (KeyError: see find_api_key)."""
+        key = self.find_api_key(id_or_name)
+        with self.engine.begin() as c:
+            c.execute(api_keys.update().where(api_keys.c.key_hash.startswith(key["id"]))
+                      .values(revoked_at=key["revoked_at"] or now()))
+        return key
+
+    def set_budget(self, id_or_name: str, budget_tokens: int | None) -> dict:
+        """Set a key's token budget (None: unlimited); returns the key as it was.
+
+        The budget bounds the key's total usage (trained + prefilled + sampled, all its
+        runs, since the key was made); raising it lets a key that ran out work again.
+        """
+        key = self.find_api_key(id_or_name, action="set the budget")
+        with self.engine.begin() as c:
+            c.execute(api_keys.update().where(api_keys.c.key_hash.startswith(key["id"]))
+                      .values(budget_tokens=budget_tokens))
+        return key
+
+    def budget_of(self, user_id: str) -> int | None:
+        """The token budget of this user's key (None: no key, as with --no-auth, or no limit)."""
+        with self.engine.connect() as c:
+            return c.execute(sa.select(api_keys.c.budget_tokens).where(api_keys.c.user_id == user_id)).scalar()
+
+    # -- usage ------------------------------------------------------------------------
+    def add_usage(self, user_id: str, run_id: str | None, trained: int, prefilled: int, sampled: int) -> None:
+        """Add one request's tokens to its user's row for its run, in one statement (an
+        upsert that increments), so concurrent workers and processes never lose a count."""
+        if not (trained or prefilled or sampled):
+            return
+        query = self._upsert(usage).values(user_id=user_id, run_id=run_id or NO_RUN, trained=trained,
+                                           prefilled=prefilled, sampled=sampled)
+        query = query.on_conflict_do_update(
+            index_elements=list(usage.primary_key.columns),
+            set_={k: usage.c[k] + query.excluded[k] for k in USAGE_KINDS})
+        with self.engine.begin() as c:
+            c.execute(query)
+
+    def usage_by_run(self, user_id: str, run_id: str | None = None) -> list[dict]:
+        """This user's rows (``run_id``: only that run's): {run_id (None: no run), trained,
+        prefilled, sampled}, by run id."""
+        where = {} if run_id is None else {"run_id": run_id}
+        rows = self.select(usage, user_id=user_id, order_by="run_id", **where)
+        return [{"run_id": r["run_id"] or None, **{k: r[k] for k in USAGE_KINDS}} for r in rows]
+
+    def usage_total(self, user_id: str) -> int:
+        """Every token this user's requests processed: trained + prefilled + sampled."""
+        total = sa.func.coalesce(sa.func.sum(usage.c.trained + usage.c.prefilled + usage.c.sampled), 0)
+        with self.engine.connect() as c:
+            return int(c.execute(sa.select(total).where(usage.c.user_id == user_id)).scalar() or 0)
+
+    def _upsert(self, table: sa.Table) -> Any:
+        """An INSERT that can say ON CONFLICT DO UPDATE, in this database's dialect."""
+        dialect = self.engine.dialect.name
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        elif dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+        else:
+            raise NotImplementedError(f"upserts on {dialect}")
+        return insert(table)
 
     # -- generic helpers --------------------------------------------------------------
     def insert(self, table: sa.Table, **values: Any) -> None:
@@ -192,14 +272,7 @@ class Store:
         rows = [{"run_id": run_id, "step": step, "source": source, "name": k, "value": float(v)}
                 for k, v in metrics.items()]
         # An upsert, in one statement: two writers of one name cannot collide on the key.
-        dialect = self.engine.dialect.name
-        if dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        elif dialect == "sqlite":
-            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
-        else:
-            raise NotImplementedError(f"step metrics on {dialect}")
-        query = insert(step_metrics).values(rows)
+        query = self._upsert(step_metrics).values(rows)
         query = query.on_conflict_do_update(index_elements=list(step_metrics.primary_key.columns),
                                             set_={"value": query.excluded.value})
         with self.engine.begin() as c:
@@ -236,9 +309,11 @@ class Store:
 def _add_missing_columns(engine: sa.Engine) -> None:
     """Columns added since a database was created (create_all adds only tables)."""
     have = {c["name"] for c in sa.inspect(engine).get_columns("api_keys")}
-    if "revoked_at" not in have:
-        with engine.begin() as c:
-            c.execute(sa.text("ALTER TABLE api_keys ADD COLUMN revoked_at VARCHAR(32)"))
+    added = {"revoked_at": "VARCHAR(32)", "budget_tokens": "BIGINT"}
+    for name, sql_type in added.items():
+        if name not in have:
+            with engine.begin() as c:
+                c.execute(sa.text(f"ALTER TABLE api_keys ADD COLUMN {name} {sql_type}"))
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from .errors import ServiceError
 from .handlers import Context, Result, execute
+from .queueing import OpDurations, QueueInfo, estimate_start
 from .scheduler import WorkItem, next_batch, stalled_runs
 
 log = logging.getLogger("trio.server")
@@ -41,10 +42,13 @@ class HostWorker:
         self.idle_offload_seconds = idle_offload_seconds
         self.pending: list[WorkItem] = []
         self.running: set[str] = set()
+        self.running_op = ""  # the op of the running batch (when ``running``)
         self.cond = threading.Condition()
         self._stopped = False
         self.last_used: dict[str, float] = {}  # run id -> when a request last touched it (resident runs)
         self.queued_at: dict[str, float] = {}  # request id -> when it was queued
+        self.durations = OpDurations()  # recent batch times per op, for queue estimates
+        self.batch_started = 0.0  # when the running batch started (monotonic)
         self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{ctx.base_model}", daemon=True)
         self.thread.start()
 
@@ -58,12 +62,19 @@ class HostWorker:
         with self.cond:
             return list(self.pending)
 
-    def position(self, request_id: str) -> int | None:
+    def queue_info(self, request_id: str, now: float | None = None) -> QueueInfo | None:
+        """Where a request of this host stands (see queueing.py); None if not here."""
         with self.cond:
             if request_id in self.running:
-                return 0
-            ids = [i.request_id for i in sorted(self.pending, key=lambda i: i.arrival)]
-            return ids.index(request_id) + 1 if request_id in ids else None
+                return QueueInfo(running=True, position=0, starts_in=0.0)
+            item = next((i for i in self.pending if i.request_id == request_id), None)
+            if item is None:
+                return None
+            ahead = [i.op for i in self.pending if i.arrival < item.arrival]
+            running_op = self.running_op if self.running else None
+            running_for = (time.monotonic() if now is None else now) - self.batch_started
+            return QueueInfo(running=False, position=len(self.running) + len(ahead),
+                             starts_in=estimate_start(self.durations, ahead, running_op, running_for))
 
     def stop(self) -> None:
         with self.cond:
@@ -83,6 +94,8 @@ class HostWorker:
                 continue
             try:
                 results = self._execute(batch)
+                with self.cond:
+                    self.durations.record(batch[0].op, time.monotonic() - self.batch_started)
                 for item in batch:
                     run_id = item.run_id or item.context.get("run_id")  # create_model names its run here
                     if run_id is not None:
@@ -117,6 +130,8 @@ class HostWorker:
                 self.pending.remove(item)
                 self.queued_at.pop(item.request_id, None)
                 self.running.add(item.request_id)
+            if batch:
+                self.running_op, self.batch_started = batch[0].op, time.monotonic()
             return batch
 
     def _skip_missing_seqs(self) -> None:

@@ -176,7 +176,11 @@ def test_a_refused_call_keeps_its_place_so_the_next_call_does_not_wait(tmp_path)
 
 def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
     """retrieve(timeout=0) of a request not done yet: "running", or "queued (position n)"
-    with n its place by arrival among the waiting requests."""
+    with n the requests of its host that run before it (the running one, then those that
+    arrived earlier), and an estimated start: queue_position and starts_in_seconds in the
+    answer (through the wire model). With forward's recent batches at 5 s, the running one
+    has under 5 s left and each queued one adds 5 s (slack only for the time between the
+    retrieves; no sleeping)."""
     from pytrio import types as t
     from pytrio.futures import run_sync
 
@@ -187,6 +191,7 @@ def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
     toks = list(range(1, 9))
     datum = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
     worker = core.workers[MODEL]
+    worker.durations.record("forward", 5.0)
 
     def forward(run_id):
         return run_sync(transport.submit("forward", t.ForwardRequest(model_id=run_id, seq=0, data=[datum]), None))
@@ -196,8 +201,10 @@ def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
         wait_until(lambda: bool(worker.running), "the first forward to run")
         ids += [forward(run_id) for run_id in runs[1:]]
         states = [run_sync(transport.retrieve(rid, 0)) for rid in ids]
-    assert [(s.status, s.queue_state) for s in states] == [
-        ("pending", "running"), ("pending", "queued (position 1)"), ("pending", "queued (position 2)")]
+    assert [(s.status, s.queue_state, s.queue_position) for s in states] == [
+        ("pending", "running", 0), ("pending", "queued (position 1)", 1), ("pending", "queued (position 2)", 2)]
+    starts = [s.starts_in_seconds for s in states]
+    assert starts[0] == 0.0 and 0.0 <= starts[1] <= 5.0 and 0.0 < starts[2] - starts[1] <= 5.1, starts
     assert all(run_sync(transport.retrieve(rid, 60)).status == "done" for rid in ids)
     core.close()
 
