@@ -90,6 +90,8 @@ def from_service(exc: ServiceError, model: str | None = None) -> w.OpenAIError:
         return w.OpenAIError(401, exc.message, code="invalid_api_key")
     if exc.category == "not_found":
         return w.model_not_found(model, exc.message) if model else w.OpenAIError(404, exc.message)
+    if exc.category == "validation" and exc.status == 403:  # a quota or token budget: not the body's fault
+        return w.OpenAIError(403, exc.message, type="insufficient_quota")
     if exc.category == "validation":
         return w.bad_param(None, exc.message)
     if exc.category == "capacity":

@@ -154,6 +154,28 @@ def test_limits_name_the_limit_and_keep_the_run_going(server):
     assert tc.forward([datum()]).result().metrics["loss:sum"] > 0  # later calls don't wait forever
 
 
+def test_usage_and_a_spent_budget_over_http(server):
+    """GET /usage with the key, through the SDK's HTTP transport; a spent budget is a 403
+    naming the budget and the usage, before anything is queued."""
+    key = server.core.store.create_api_key("budgeted", budget_tokens=6)
+    svc = trio.ServiceClient(base_url=server.url, api_key=key)
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    tc.forward_backward([datum(6)]).result()
+    rest = svc.create_rest_client()
+    usage = rest.get_usage()
+    assert (usage.trained, usage.prefilled, usage.sampled, usage.total, usage.budget_tokens) == (6, 0, 0, 6, 6)
+    assert [(r.run_id, r.trained) for r in usage.runs] == [(tc.model_id, 6)]
+    assert rest.get_run_usage(tc.model_id) == usage.runs[0]
+
+    r = httpx.post(server.url + "/api/v1/forward", headers={"Authorization": f"Bearer {key}"},
+                   json={"model_id": tc.model_id, "seq": 1, "data": [datum().model_dump(mode="json")]})
+    assert r.status_code == 403, r.text
+    error = r.json()["error"]
+    assert error["category"] == "validation" and "used 6 tokens" in error["message"]
+    assert "budget of 6" in error["message"]
+    assert rest.get_usage() == usage
+
+
 def test_oversized_body_refused_before_reading(server):
     key = server.core.store.create_api_key("big")
     r = httpx.post(server.url + "/api/v1/forward", content=b"x" * 300_000,

@@ -74,3 +74,29 @@ def test_step_metrics_set_again_take_the_new_value_and_client_values_hide_the_se
     ]
     assert store.run_metrics("run-b") == [(1, {"reward": 1.0})]
     assert store.run_metrics("run-c") == []
+
+
+def test_usage_adds_up_per_user_and_run_and_budgets_belong_to_keys(db_url):
+    """The incrementing upsert on both databases: counts add, rows stay per (user, run),
+    a request of no run has its own row; budgets are set and lifted by key id or name."""
+    store = Store(db_url)
+    key = store.create_api_key("capped", budget_tokens=100)
+    user = store.user_for_key(key)
+    assert user is not None and store.budget_of(user) == 100 and store.budget_of("nobody") is None
+    store.add_usage(user, "run-a", 5, 0, 0)
+    store.add_usage(user, "run-a", 2, 3, 4)
+    store.add_usage(user, None, 0, 6, 7)
+    store.add_usage(user, "run-b", 0, 0, 0)  # nothing to count: no row
+    store.add_usage("other", "run-c", 1000, 0, 0)
+    assert store.usage_by_run(user) == [{"run_id": None, "trained": 0, "prefilled": 6, "sampled": 7},
+                                        {"run_id": "run-a", "trained": 7, "prefilled": 3, "sampled": 4}]
+    assert store.usage_by_run(user, "run-a") == store.usage_by_run(user)[1:]
+    assert store.usage_total(user) == 27 and store.usage_total("nobody") == 0
+
+    key_id = store.list_api_keys()[0]["id"]
+    store.set_budget(key_id, None)
+    assert store.budget_of(user) is None
+    store.set_budget("capped", 5)
+    assert store.budget_of(user) == 5 and store.list_api_keys()[0]["budget_tokens"] == 5
+    with pytest.raises(KeyError, match="no key has this id or name"):
+        store.set_budget("missing", 1)
