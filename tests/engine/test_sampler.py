@@ -1,13 +1,17 @@
 """Sampler vs plain transformers: greedy loops, logprobs, draws vs softmax(logits / T); stops, seeds."""
 
+import copy
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from trio_engine import (
     Example,
     ForwardJob,
     InvalidInputError,
     LoraConfig,
+    ModelHost,
     SampleRequest,
     SamplingConfig,
 )
@@ -89,6 +93,20 @@ def test_seed_reproduces_and_varies(tiny_host):
     assert len({tuple(s.tokens) for s in a.sequences}) > 1  # samples of one request differ
 
 
+def test_a_draw_at_the_very_top_of_the_cdf_stays_in_the_vocabulary(monkeypatch):
+    """u = rand * cdf[-1] can round up to cdf[-1]; searchsorted then points one past the end."""
+    from trio_engine import sampler
+
+    monkeypatch.setattr(sampler.torch, "rand", lambda *shape, generator, **kw: torch.ones(*shape, **kw))
+    probs = torch.tensor([[0.25, 0.25, 0.5], [1.0, 0.0, 0.0]])
+    assert sampler._inverse_cdf(probs, torch.Generator()).tolist() == [2, 2]
+
+
+def test_prompt_logprobs_come_only_when_asked(tiny_host):
+    plain = tiny_host.sample([SampleRequest(None, PROMPTS[2], 1, SamplingConfig(max_tokens=1))])[0]
+    assert plain.prompt_logprobs is None
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy(tiny_host):
     greedy = tiny_host.sample([SampleRequest(None, PROMPTS[2], 1, SamplingConfig(max_tokens=8, temperature=0))])
     for cfg in (SamplingConfig(max_tokens=8, top_k=1, seed=1), SamplingConfig(max_tokens=8, top_p=1e-6, seed=1)):
@@ -133,9 +151,10 @@ def test_compute_logprobs_match_plain_forward(tiny_host, adapted, reference_mode
 
 # -- the distribution of draws ------------------------------------------------------------
 
-# The random-init tiny model's logits have a std of ~0.2 over 49k tokens: nearly uniform
-# at any temperature. An lm_head adapter with large B spreads them to a std of a few nats,
-# so that T visibly reshapes the next-token distribution.
+# The draws come from a tiny Llama with a 512-token vocabulary: thousands of draws over
+# 49k tokens would spend their time sorting logits (top-p), not testing anything more.
+# Its random-init logits are nearly uniform at any temperature; an lm_head adapter with
+# large B spreads them to a std of a few nats, so that T visibly reshapes the distribution.
 DIST_PROMPT = [1, 5, 9, 200, 31]
 DIST_SEEDS = (11, 12)  # one request of 1024 samples per seed
 DRAWS = 1024 * len(DIST_SEEDS)
@@ -144,13 +163,27 @@ Z_MAX = 4.5  # tolerated |observed - expected| per bin, in binomial standard dev
 
 
 @pytest.fixture(scope="module")
-def sharp(tiny_host):
+def small_vocab_host(tiny_host, tmp_path_factory):
+    """The tiny Llama's shape with a 512-token vocabulary (the tokenizer decodes its ids)."""
+    config = copy.deepcopy(tiny_host.model.config)
+    config.vocab_size = 512
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("small-vocab")
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tiny_host.tokenizer.save_pretrained(folder)
+    with pytest.MonkeyPatch.context() as env:  # registered for the reference helpers too
+        env.setenv("TRIO_MODELS", f"small-vocab={folder}")
+        yield ModelHost("small-vocab", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def sharp(small_vocab_host):
     """(adapter id, the plain merged model's next-token logits (V,) after DIST_PROMPT)."""
     aid = "sampler-sharp"
-    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=2, train_attn=False, train_mlp=False))
-    randomize_adapter(tiny_host, aid, seed=7, scale=0.3)
-    yield aid, reference_next_logits(merged_model(tiny_host, aid), DIST_PROMPT)
-    tiny_host.delete_adapter(aid)
+    small_vocab_host.create_adapter(aid, LoraConfig(rank=4, seed=2, train_attn=False, train_mlp=False))
+    randomize_adapter(small_vocab_host, aid, seed=7, scale=0.3)
+    yield aid, reference_next_logits(merged_model(small_vocab_host, aid), DIST_PROMPT)
+    small_vocab_host.delete_adapter(aid)
 
 
 def filtered_distribution(logits, temperature, top_k=-1, top_p=1.0):
@@ -202,7 +235,7 @@ def bin_z_scores(counts, p):
     "temperature, top_k, top_p",
     [(0.5, -1, 1.0), (2.0, -1, 1.0), (0.5, 40, 1.0), (2.0, 40, 1.0), (0.5, -1, 0.8), (2.0, 300, 0.7)],
 )
-def test_draws_follow_softmax_over_temperature(tiny_host, sharp, temperature, top_k, top_p):
+def test_draws_follow_softmax_over_temperature(small_vocab_host, sharp, temperature, top_k, top_p):
     """Many one-token draws match softmax(logits / T) (then top-k, top-p) of a plain forward."""
     aid, logits = sharp
     requests = [
@@ -210,7 +243,7 @@ def test_draws_follow_softmax_over_temperature(tiny_host, sharp, temperature, to
                       SamplingConfig(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=s))
         for s in DIST_SEEDS
     ]
-    seqs = [seq for result in tiny_host.sample(requests) for seq in result.sequences]
+    seqs = [seq for result in small_vocab_host.sample(requests) for seq in result.sequences]
     drawn = torch.tensor([seq.tokens[0] for seq in seqs])
     assert len(drawn) == DRAWS
 
