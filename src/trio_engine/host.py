@@ -28,6 +28,7 @@ from .catalog import DEFAULT_MODEL, Catalog, load_model_and_tokenizer
 from .device import DTYPES, resolve_device, resolve_dtype
 from .errors import AdapterNotFoundError, InvalidInputError
 from .losses import LOSSES, OPTIONAL_INPUTS
+from .model import Head, check_head, family_of, select_targets
 from .optim import AdamConfig, AdamState, adamw_step
 
 __all__ = [
@@ -102,9 +103,12 @@ class ModelHost:
         self.model_name = model_name
         source = (catalog or Catalog()).resolve(model_name)
         self.model, self.tokenizer = load_model_and_tokenizer(source, self.dtype, device=self.device)
-        self.routing = lora.install(self.model)
+        self.family = family_of(self.model.config)  # LoRA targets and head, per model family
+        check_head(self.family, self.model.config)
+        self.routing = lora.install(self.model, self.family.all_targets())
         self.trunk = self.model.get_decoder()
-        self.unembed = self.model.get_output_embeddings()
+        # the one place logits are made, trainer and sampler alike: lm_head + family transform
+        self.unembed = Head(self.model.get_output_embeddings(), self.family.transform(self.model.config))
         self.vocab_size = int(self.unembed.weight.shape[0])
         self.max_seq_len = int(getattr(self.model.config, "max_position_embeddings", 4096))
         self.max_batch_tokens = max_batch_tokens
@@ -114,9 +118,16 @@ class ModelHost:
     # -- adapters ---------------------------------------------------------------------
 
     def create_adapter(self, adapter_id: str, config: lora.LoraConfig) -> None:
+        """Add an adapter on the model family's target layers.
+
+        Raises:
+            InvalidInputError: the id exists, or a kind of layer the config asks for
+                (train_attn / train_mlp / train_unembed) matches no layer of this model.
+        """
         if adapter_id in self.adapters:
             raise InvalidInputError(f"adapter_id: {adapter_id!r} already exists")
-        lora.add_adapter(self.model, adapter_id, config)
+        targets = select_targets(self.model, self.family, config)
+        lora.add_adapter(self.model, adapter_id, config, targets)
         self.adapters[adapter_id] = Adapter(config)
 
     def delete_adapter(self, adapter_id: str) -> None:
@@ -350,12 +361,13 @@ class ModelHost:
     def token_logprobs(
         self, hidden: torch.Tensor, targets: torch.Tensor, token_adapters: list[str | None]
     ) -> torch.Tensor:
-        """log p(target) for each row of hidden (N, H): unembedding + fp32 log-softmax.
+        """log p(target) for each row of hidden (N, H): ``unembed`` (lm_head and the
+        family's logit transform, in fp32) + log-softmax.
 
         Shared by trainer and sampler so both compute logprobs with the same numerics.
         """
         with self.routing.use(lora.segments(token_adapters, hidden.device)):
-            logits = self.unembed(hidden).float()  # (N, V)
+            logits = self.unembed(hidden)  # (N, V) fp32
         return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
 
     def _collect(self, j: int, job: ForwardJob, outputs: dict) -> ForwardResult:
@@ -438,6 +450,7 @@ class ModelHost:
                 f"this host serves {self.model_name!r}",
                 field="path",
             )
+        select_targets(self.model, self.family, state.config)  # fails before the delete below
         with self.lock:
             self.delete_adapter(adapter_id)
             self.create_adapter(adapter_id, state.config)
@@ -459,6 +472,7 @@ class ModelHost:
     def load_sampler_weights(self, adapter_id: str, folder: str) -> None:
         """Load a PEFT adapter folder (ours or any rank-r LoRA on the same targets)."""
         config, weights = checkpoint.load_peft_adapter(folder)
+        select_targets(self.model, self.family, config)  # fails before the delete below
         with self.lock:
             self.delete_adapter(adapter_id)
             self.create_adapter(adapter_id, config)
@@ -472,6 +486,7 @@ class ModelHost:
         return {
             "model_name": self.model_name,
             "architecture": cfg.model_type,
+            "family": self.family.name,
             "vocab_size": self.vocab_size,
             "max_seq_len": self.max_seq_len,
             "dtype": str(self.dtype).removeprefix("torch."),

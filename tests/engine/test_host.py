@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from trio_engine import Example, ForwardJob, InvalidInputError, LoraConfig
+from trio_engine.model import LogitTransform
 
 from .helpers import (
     assert_same_snapshot,
+    merged_model,
     plain_model,
     random_example,
     randomize_adapter,
@@ -20,13 +22,18 @@ from .helpers import (
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("host_fixture, name", [("tiny_host", "trio/tiny-llama"), ("qwen_host", "trio/tiny-qwen3")])
-def test_logprobs_match_plain_transformers(request, host_fixture, name):
-    host = request.getfixturevalue(host_fixture)
+def test_logprobs_match_plain_transformers(family_host, new_id):
+    """Every family (its LoRA targets and its logit transform) against a plain transformers
+    forward of the base with W0 + (alpha/r)·B·A merged by hand (B random, non-zero).
+    The base without adapter is covered by the sampler's greedy and logprob tests."""
+    host = family_host
+    aid = new_id()
+    host.create_adapter(aid, LoraConfig(rank=4, seed=3))
+    randomize_adapter(host, aid, seed=6, scale=0.1)
     rng = random.Random(0)
     data = [random_example(host.vocab_size, n, rng) for n in (5, 17, 9)]
-    result = host.forward([ForwardJob(None, data)])[0]
-    ref_model = plain_model(name)
+    result = host.forward([ForwardJob(aid, data)])[0]
+    ref_model = merged_model(host, aid)
     for ex, lp, loss in zip(data, result.logprobs, result.elementwise_loss):
         ref = reference_logprobs(ref_model, ex.tokens, ex.inputs["target_tokens"])
         torch.testing.assert_close(torch.tensor(lp), ref, atol=TOL, rtol=TOL)
@@ -34,6 +41,25 @@ def test_logprobs_match_plain_transformers(request, host_fixture, name):
         torch.testing.assert_close(torch.tensor(loss), expected_loss, atol=TOL, rtol=TOL)
     total = sum(sum(x) for x in result.elementwise_loss)
     assert result.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
+    assert not torch.allclose(torch.tensor(result.logprobs[0]), reference_logprobs(
+        plain_model(host.model_name), data[0].tokens, data[0].inputs["target_tokens"]), atol=1e-3)
+    host.delete_adapter(aid)
+
+
+def test_family_logit_transform_matters(family_host):
+    """Where a family transforms lm_head's output, leaving it out moves the logprobs far
+    beyond TOL, so the parity test above would catch its loss."""
+    host = family_host
+    if host.unembed.transform == LogitTransform():
+        pytest.skip(f"{host.family.name}: plain head")
+    ex = random_example(host.vocab_size, 9, random.Random(1))
+    model = plain_model(host.model_name)
+    ids = torch.tensor([ex.tokens])
+    with torch.no_grad():
+        raw = model.lm_head(model.get_decoder()(input_ids=ids).last_hidden_state)[0]
+    targets = torch.tensor(ex.inputs["target_tokens"])
+    untransformed = torch.log_softmax(raw, -1).gather(1, targets[:, None])[:, 0]
+    assert (untransformed - reference_logprobs(model, ex.tokens, ex.inputs["target_tokens"])).abs().max() > 1e-2
 
 
 def test_result_does_not_depend_on_batch(tiny_host, new_id):
