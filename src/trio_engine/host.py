@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from . import checkpoint, lora, sampler
 from .catalog import DEFAULT_MODEL, Catalog, load_model_and_tokenizer
@@ -364,11 +365,37 @@ class ModelHost:
         """log p(target) for each row of hidden (N, H): ``unembed`` (lm_head and the
         family's logit transform, in fp32) + log-softmax.
 
-        Shared by trainer and sampler so both compute logprobs with the same numerics.
+        Shared by trainer and ``compute_logprobs`` (the sampler calls ``unembed`` itself)
+        so all compute logprobs with the same numerics. Rows go through in chunks of
+        ``logit_chunk_rows`` so the (N, V) fp32 logits never exist whole: with grads on,
+        each chunk is checkpointed (its logits are dropped after the forward and
+        recomputed, chunk by chunk, in the backward). Row-wise ops, so chunking changes
+        no value.
         """
+        rows = self.logit_chunk_rows()
+        if hidden.shape[0] <= rows:
+            return self._chunk_logprobs(hidden, targets, token_adapters)
+        parts = []
+        for start in range(0, hidden.shape[0], rows):
+            chunk = (hidden[start : start + rows], targets[start : start + rows], token_adapters[start : start + rows])
+            if torch.is_grad_enabled():
+                parts.append(recompute_in_backward(self._chunk_logprobs, *chunk, use_reentrant=False))
+            else:
+                parts.append(self._chunk_logprobs(*chunk))
+        return torch.cat(parts)  # (N,)
+
+    def logit_chunk_rows(self) -> int:
+        """Rows per chunk of the unembedding: about LOGIT_CHUNK_ELEMENTS fp32 logits."""
+        return max(1, LOGIT_CHUNK_ELEMENTS // self.vocab_size)
+
+    def _chunk_logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, token_adapters: list[str | None]
+    ) -> torch.Tensor:
+        # routing is set here, inside the checkpointed function, so the backward's
+        # recomputation routes the chunk's rows to their adapters again
         with self.routing.use(lora.segments(token_adapters, hidden.device)):
-            logits = self.unembed(hidden)  # (N, V) fp32
-        return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+            logits = self.unembed(hidden)  # (n, V) fp32
+        return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # (n,)
 
     def _collect(self, j: int, job: ForwardJob, outputs: dict) -> ForwardResult:
         per_datum = [outputs[(j, i)] for i in range(len(job.examples))]
@@ -494,6 +521,10 @@ class ModelHost:
             "num_adapters": len(self.adapters),
         }
 
+
+# fp32 logits of one unembedding chunk (64 MiB): e.g. 341 rows of a 49k vocabulary, 2^24
+# being small next to a model yet big enough that the per-chunk overhead is nil.
+LOGIT_CHUNK_ELEMENTS = 2**24
 
 # A forward pass costs about this many padded tokens on top of its tokens (per-layer
 # launches, weight reads), so tiny micro-batches are not free.

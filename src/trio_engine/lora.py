@@ -62,7 +62,8 @@ class LoraConfig:
         return self.alpha / self.rank
 
     def targets(self) -> tuple[str, ...]:
-        """Module-name suffixes this adapter applies to."""
+        """Llama-family module-name suffixes this config selects; the host uses its
+        model family's names instead (``model.FamilySpec.requested``)."""
         return (
             (ATTN_TARGETS if self.train_attn else ())
             + (MLP_TARGETS if self.train_mlp else ())

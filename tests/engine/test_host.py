@@ -79,6 +79,46 @@ def test_result_does_not_depend_on_batch(tiny_host, new_id):
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(alone), atol=TOL, rtol=TOL)
 
 
+def test_chunked_unembedding_equals_one_pass(tiny_host, new_id, monkeypatch):
+    """The unembedding + log-softmax in chunks of 7 rows (several per datum, some holding
+    rows of two adapters, all with an lm_head LoRA) gives the logprobs, losses and grads
+    of a single (N, V) pass, forward and forward_backward."""
+    from trio_engine import host as host_module
+
+    vocab = tiny_host.vocab_size
+    ids = [new_id(), new_id()]
+    for i, aid in enumerate(ids):
+        tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=i))
+        randomize_adapter(tiny_host, aid, seed=10 + i)
+    rng = random.Random(5)
+    jobs = [ForwardJob(ids[0], [random_example(vocab, n, rng) for n in (13, 5)]),
+            ForwardJob(ids[1], [random_example(vocab, 11, rng)])]
+    chunk_sizes: list[int] = []
+    run_chunk = tiny_host._chunk_logprobs
+    monkeypatch.setattr(tiny_host, "_chunk_logprobs", lambda h, *rest: chunk_sizes.append(len(h)) or run_chunk(h, *rest))
+
+    def run(chunk_elements):
+        monkeypatch.setattr(host_module, "LOGIT_CHUNK_ELEMENTS", chunk_elements)
+        results = tiny_host.forward_backward(jobs)
+        grads = {a: {k: p.grad.clone() for k, p in tiny_host.adapter_params(a).items()} for a in ids}
+        for a in ids:
+            tiny_host.zero_grad(a)
+        return results, grads, tiny_host.forward(jobs)
+
+    chunked, chunked_grads, chunked_fwd = run(7 * vocab)
+    assert max(chunk_sizes) == 7 and len(chunk_sizes) > 8  # really chunked (fwd + recompute)
+    whole, whole_grads, whole_fwd = run(10**12)
+    for mine, ref in zip(chunked + chunked_fwd, whole + whole_fwd):
+        for field in ("logprobs", "elementwise_loss"):
+            for x, y in zip(getattr(mine, field), getattr(ref, field)):
+                torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=TOL, rtol=TOL)
+    for a in ids:
+        assert whole_grads[a]["lm_head.lora_B"].abs().sum() > 0
+        for k, g in whole_grads[a].items():
+            torch.testing.assert_close(chunked_grads[a][k], g, atol=TOL, rtol=1e-4)  # sums in another order
+        tiny_host.delete_adapter(a)
+
+
 def test_grads_accumulate_and_forward_adds_none(tiny_host, new_id):
     aid = new_id()
     tiny_host.create_adapter(aid, LoraConfig(rank=4))
