@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .errors import InvalidInputError
-from .lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, LoraConfig
+from .lora import LoraConfig
+from .model import ALL_ATTN, ALL_MLP, UNEMBED
 from .optim import AdamState
 
 FORMAT = "trio-training-state/1"
@@ -105,7 +106,8 @@ def save_peft_adapter(
         "fan_in_fan_out": False,
         "inference_mode": True,
         "use_rslora": False,
-        "target_modules": sorted(config.targets()),
+        # the layers the adapter really has (a family's own names, e.g. Phi-3's qkv_proj)
+        "target_modules": sorted({key.rsplit(".", 2)[-2] for key in params}),
     }
     (folder / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
 
@@ -116,9 +118,9 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
     targets = set(cfg["target_modules"])
     config = LoraConfig(
         rank=int(cfg["r"]),
-        train_attn=bool(targets & set(ATTN_TARGETS)),
-        train_mlp=bool(targets & set(MLP_TARGETS)),
-        train_unembed=bool(targets & set(UNEMBED_TARGETS)),
+        train_attn=bool(targets & set(ALL_ATTN)),
+        train_mlp=bool(targets & set(ALL_MLP)),
+        train_unembed=bool(targets & set(UNEMBED)),
         alpha=float(cfg["lora_alpha"]),
     )
     raw = load_file(folder / "adapter_model.safetensors", device="cpu")

@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from . import checkpoint, lora, sampler
 from .catalog import DEFAULT_MODEL, Catalog, load_model_and_tokenizer
 from .device import DTYPES, resolve_device, resolve_dtype
 from .errors import AdapterNotFoundError, InvalidInputError
 from .losses import LOSSES, OPTIONAL_INPUTS
+from .model import Head, check_head, family_of, select_targets
 from .optim import AdamConfig, AdamState, adamw_step
 
 __all__ = [
@@ -102,9 +104,12 @@ class ModelHost:
         self.model_name = model_name
         source = (catalog or Catalog()).resolve(model_name)
         self.model, self.tokenizer = load_model_and_tokenizer(source, self.dtype, device=self.device)
-        self.routing = lora.install(self.model)
+        self.family = family_of(self.model.config)  # LoRA targets and head, per model family
+        check_head(self.family, self.model.config)
+        self.routing = lora.install(self.model, self.family.all_targets())
         self.trunk = self.model.get_decoder()
-        self.unembed = self.model.get_output_embeddings()
+        # the one place logits are made, trainer and sampler alike: lm_head + family transform
+        self.unembed = Head(self.model.get_output_embeddings(), self.family.transform(self.model.config))
         self.vocab_size = int(self.unembed.weight.shape[0])
         self.max_seq_len = int(getattr(self.model.config, "max_position_embeddings", 4096))
         self.max_batch_tokens = max_batch_tokens
@@ -114,9 +119,16 @@ class ModelHost:
     # -- adapters ---------------------------------------------------------------------
 
     def create_adapter(self, adapter_id: str, config: lora.LoraConfig) -> None:
+        """Add an adapter on the model family's target layers.
+
+        Raises:
+            InvalidInputError: the id exists, or a kind of layer the config asks for
+                (train_attn / train_mlp / train_unembed) matches no layer of this model.
+        """
         if adapter_id in self.adapters:
             raise InvalidInputError(f"adapter_id: {adapter_id!r} already exists")
-        lora.add_adapter(self.model, adapter_id, config)
+        targets = select_targets(self.model, self.family, config)
+        lora.add_adapter(self.model, adapter_id, config, targets)
         self.adapters[adapter_id] = Adapter(config)
 
     def delete_adapter(self, adapter_id: str) -> None:
@@ -350,13 +362,40 @@ class ModelHost:
     def token_logprobs(
         self, hidden: torch.Tensor, targets: torch.Tensor, token_adapters: list[str | None]
     ) -> torch.Tensor:
-        """log p(target) for each row of hidden (N, H): unembedding + fp32 log-softmax.
+        """log p(target) for each row of hidden (N, H): ``unembed`` (lm_head and the
+        family's logit transform, in fp32) + log-softmax.
 
-        Shared by trainer and sampler so both compute logprobs with the same numerics.
+        Shared by trainer and ``compute_logprobs`` (the sampler calls ``unembed`` itself)
+        so all compute logprobs with the same numerics. Rows go through in chunks of
+        ``logit_chunk_rows`` so the (N, V) fp32 logits never exist whole: with grads on,
+        each chunk is checkpointed (its logits are dropped after the forward and
+        recomputed, chunk by chunk, in the backward). Row-wise ops, so chunking changes
+        no value.
         """
+        rows = self.logit_chunk_rows()
+        if hidden.shape[0] <= rows:
+            return self._chunk_logprobs(hidden, targets, token_adapters)
+        parts = []
+        for start in range(0, hidden.shape[0], rows):
+            chunk = (hidden[start : start + rows], targets[start : start + rows], token_adapters[start : start + rows])
+            if torch.is_grad_enabled():
+                parts.append(recompute_in_backward(self._chunk_logprobs, *chunk, use_reentrant=False))
+            else:
+                parts.append(self._chunk_logprobs(*chunk))
+        return torch.cat(parts)  # (N,)
+
+    def logit_chunk_rows(self) -> int:
+        """Rows per chunk of the unembedding: about LOGIT_CHUNK_ELEMENTS fp32 logits."""
+        return max(1, LOGIT_CHUNK_ELEMENTS // self.vocab_size)
+
+    def _chunk_logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, token_adapters: list[str | None]
+    ) -> torch.Tensor:
+        # routing is set here, inside the checkpointed function, so the backward's
+        # recomputation routes the chunk's rows to their adapters again
         with self.routing.use(lora.segments(token_adapters, hidden.device)):
-            logits = self.unembed(hidden).float()  # (N, V)
-        return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+            logits = self.unembed(hidden)  # (n, V) fp32
+        return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # (n,)
 
     def _collect(self, j: int, job: ForwardJob, outputs: dict) -> ForwardResult:
         per_datum = [outputs[(j, i)] for i in range(len(job.examples))]
@@ -438,6 +477,7 @@ class ModelHost:
                 f"this host serves {self.model_name!r}",
                 field="path",
             )
+        select_targets(self.model, self.family, state.config)  # fails before the delete below
         with self.lock:
             self.delete_adapter(adapter_id)
             self.create_adapter(adapter_id, state.config)
@@ -459,6 +499,7 @@ class ModelHost:
     def load_sampler_weights(self, adapter_id: str, folder: str) -> None:
         """Load a PEFT adapter folder (ours or any rank-r LoRA on the same targets)."""
         config, weights = checkpoint.load_peft_adapter(folder)
+        select_targets(self.model, self.family, config)  # fails before the delete below
         with self.lock:
             self.delete_adapter(adapter_id)
             self.create_adapter(adapter_id, config)
@@ -472,6 +513,7 @@ class ModelHost:
         return {
             "model_name": self.model_name,
             "architecture": cfg.model_type,
+            "family": self.family.name,
             "vocab_size": self.vocab_size,
             "max_seq_len": self.max_seq_len,
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -479,6 +521,10 @@ class ModelHost:
             "num_adapters": len(self.adapters),
         }
 
+
+# fp32 logits of one unembedding chunk (64 MiB): e.g. 341 rows of a 49k vocabulary, 2^24
+# being small next to a model yet big enough that the per-chunk overhead is nil.
+LOGIT_CHUNK_ELEMENTS = 2**24
 
 # A forward pass costs about this many padded tokens on top of its tokens (per-layer
 # launches, weight reads), so tiny micro-batches are not free.

@@ -72,21 +72,34 @@ def test_load_without_optimizer_resets_moments(tiny_host, new_id, tmp_path):
             torch.testing.assert_close(p, ref[k].detach(), atol=1e-6, rtol=1e-5)
 
 
-def test_peft_loads_our_sampler_weights(tiny_host, new_id, tmp_path):
+def test_peft_loads_our_sampler_weights(family_host, new_id, tmp_path):
+    """Every family: peft, given our sampler weights, computes our logprobs; and our
+    loader reads the folder back to the same tensors (Phi-3's fused names included)."""
     peft = pytest.importorskip("peft")
+    host = family_host
     aid = new_id()
-    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=2))
-    randomize_adapter(tiny_host, aid, seed=8, scale=0.1)
-    tiny_host.save_sampler_weights(aid, tmp_path)
-    ex = random_example(tiny_host.vocab_size, 12, random.Random(4))
-    ours = tiny_host.forward([ForwardJob(aid, [ex])])[0].logprobs[0]
+    host.create_adapter(aid, LoraConfig(rank=4, seed=2))
+    randomize_adapter(host, aid, seed=8, scale=0.1)
+    host.save_sampler_weights(aid, tmp_path)
+    ex = random_example(host.vocab_size, 12, random.Random(4))
+    ours = host.forward([ForwardJob(aid, [ex])])[0].logprobs[0]
 
-    model = peft.PeftModel.from_pretrained(plain_model("trio/tiny-llama"), str(tmp_path))
-    logits = model(input_ids=torch.tensor([ex.tokens])).logits[0].float()
+    model = peft.PeftModel.from_pretrained(plain_model(host.model_name), str(tmp_path))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ex.tokens])).logits[0].float()
+        base = plain_model(host.model_name)(input_ids=torch.tensor([ex.tokens])).logits[0]
     theirs = torch.log_softmax(logits, -1).gather(1, torch.tensor(ex.inputs["target_tokens"])[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(ours), theirs, atol=1e-5, rtol=1e-5)
-    base = plain_model("trio/tiny-llama")(input_ids=torch.tensor([ex.tokens])).logits[0]
     assert not torch.allclose(logits, base, atol=1e-3)  # the adapter really was applied
+    lora_layers = {name for name, _ in model.named_modules() if name.endswith(".lora_A")}
+    assert len(lora_layers) == len(host.adapter_params(aid)) // 2  # peft adapted every layer we did
+
+    host.load_sampler_weights(aid + "-back", str(tmp_path))
+    back = host.adapter_params(aid + "-back")
+    assert back.keys() == host.adapter_params(aid).keys()
+    assert all(torch.equal(back[k], p) for k, p in host.adapter_params(aid).items())
+    for a in (aid, aid + "-back"):
+        host.delete_adapter(a)
 
 
 def test_sampler_weights_round_trip(tiny_host, new_id, tmp_path):
