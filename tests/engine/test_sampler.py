@@ -16,7 +16,13 @@ from trio_engine import (
     SamplingConfig,
 )
 
-from .helpers import merged_model, randomize_adapter, reference_logprobs, reference_next_logits
+from .helpers import (
+    TEST_CATALOG,
+    merged_model,
+    randomize_adapter,
+    reference_logprobs,
+    reference_next_logits,
+)
 
 PROMPTS = [[1, 5, 9, 200, 31], [7, 7], [300, 2, 48, 1000, 5, 6, 90, 12]]
 
@@ -192,9 +198,8 @@ def small_vocab_host(tiny_host, tmp_path_factory):
     folder = tmp_path_factory.mktemp("small-vocab")
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tiny_host.tokenizer.save_pretrained(folder)
-    with pytest.MonkeyPatch.context() as env:  # registered for the reference helpers too
-        env.setenv("TRIO_MODELS", f"small-vocab={folder}")
-        yield ModelHost("small-vocab", dtype="float32")
+    TEST_CATALOG.add_folder("small-vocab", folder)  # where the reference helpers look too
+    return ModelHost("small-vocab", dtype="float32", catalog=TEST_CATALOG)
 
 
 @pytest.fixture(scope="module")
