@@ -261,6 +261,8 @@ def soak(args: argparse.Namespace, url: str, keys: list[str], pid: int) -> int:
         print(f"  clients still waiting at the end: {hung}")
     print(f"server RSS: start {rss.samples[0][1] / 2**20:.0f} MiB, after warm-up ({warm_end:.0f} s) "
           f"{warm / 2**20:.0f} MiB, at the end {end / 2**20:.0f} MiB, peak {max(r for _, r in rss.samples) / 2**20:.0f} MiB")
+    timeline = [f"{t / 60:.0f}m={r / 2**20:.0f}" for t, r in rss.samples[:: max(1, int(60 / rss.every))]]
+    print("server RSS (MiB) each minute:", " ".join(timeline))
     growth = (end / warm - 1) * 100
     print(f"RESULT soak_errors ours={errors} target=0")
     print(f"RESULT soak_lost_results ours={lost + len(hung)} target=0")
