@@ -172,6 +172,9 @@ class ServiceCore:
             log.warning("marked %d in-flight requests failed after restart", len(failed))
         for row in self.store.select(checkpoints_table, kind="ephemeral"):  # they live one service lifetime
             remove_checkpoint(self.store, self.data_dir, row)
+        from trio_engine.checkpoint import recover_folders
+
+        recover_folders(self.data_dir / "checkpoints")  # a checkpoint write the crash interrupted
         max_seq = self.store.max_seq_by_run()
         for run in self.store.select(runs_table):
             self.next_seq[run["run_id"]] = max(run["next_seq"], max_seq.get(run["run_id"], -1) + 1)
@@ -236,6 +239,9 @@ class ServiceCore:
             if existing is None:
                 raise
             return existing
+        except Exception:  # e.g. the database stayed down past Store.retry_seconds: not accepted
+            self._unregister(item.request_id)
+            raise
         self._worker(base_model).enqueue(item)
         if rejection:
             raise rejection
@@ -452,21 +458,29 @@ class ServiceCore:
         return LocalEngine(base_model, self.engine_settings)
 
     def resolve(self, item: WorkItem, result: pydantic.BaseModel | None, error: ServiceError | None) -> None:
-        """Store the outcome, advance the run's sequence, wake the waiters."""
+        """Store the outcome, advance the run's sequence, wake the waiters.
+
+        The store retries through a database restart (``Store.retry_seconds``); if it is
+        down for longer, the outcome is still delivered to this process's waiters and the
+        error logged: an executed request is not turned into a lost one, and the worker
+        thread (which calls this) lives on.
+        """
         if error is None:
             assert result is not None
             outcome = Outcome("done", result.model_dump_json())
-            self.store.update(requests_table, "request_id", item.request_id, status="done", result=outcome.result_json)
-            self._count_usage(item, result)
         else:
             outcome = Outcome("failed", error=t.ErrorInfo(category=error.category, message=error.message,
                                                           status_code=error.status))
-            self.store.update(requests_table, "request_id", item.request_id, status="failed",
-                              error_category=error.category, error_message=error.message)
         if item.run_id is not None and item.seq is not None:
             with self.lock:
                 self.next_seq[item.run_id] = item.seq + 1
-            self.store.update(runs_table, "run_id", item.run_id, next_seq=item.seq + 1, last_request_at=now())
+        try:
+            self._store_outcome(item, outcome)
+        except Exception:
+            log.exception("request=%s run=%s op=%s: its outcome could not be stored; delivered in memory only",
+                          item.request_id, item.run_id or "-", item.op)
+        if result is not None and error is None:
+            self._count_usage(item, result)
         future = self.futures.get(item.request_id)
         if future is not None and not future.done():
             future.set_result(outcome)
@@ -480,6 +494,15 @@ class ServiceCore:
             self.store.add_usage(item.user_id, run_id, n.trained, n.prefilled, n.sampled)
         except Exception:
             log.exception("request=%s run=%s: counting its token usage failed", item.request_id, item.run_id)
+
+    def _store_outcome(self, item: WorkItem, outcome: Outcome) -> None:
+        if outcome.error is None:
+            self.store.update(requests_table, "request_id", item.request_id, status="done", result=outcome.result_json)
+        else:
+            self.store.update(requests_table, "request_id", item.request_id, status="failed",
+                              error_category=outcome.error.category, error_message=outcome.error.message)
+        if item.run_id is not None and item.seq is not None:
+            self.store.update(runs_table, "run_id", item.run_id, next_seq=item.seq + 1, last_request_at=now())
 
     def _forget_old(self, item: WorkItem) -> None:
         """Finished futures stay in memory for a while; after that the store answers."""

@@ -23,6 +23,7 @@ import pydantic
 from pytrio import types as t
 from trio_engine import (
     AdamConfig,
+    CheckpointWriteError,
     Example,
     ForwardJob,
     ForwardResult,
@@ -249,13 +250,16 @@ def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:
         raise ServiceError("validation", f"name: checkpoint {path!r} already exists; pass overwrite=True to "
                            "replace it, or use another name", 409)
     folder = ctx.checkpoint_folder(path)
-    if req.kind == "weights":
-        ctx.engine.save_state(req.model_id, folder)
-    else:  # the engine frees a sampler copy it had loaded from this folder
-        ctx.engine.save_sampler_weights(req.model_id, folder)
-    ctx.store.delete(checkpoints_table, path=path)
-    ctx.store.insert(checkpoints_table, path=path, user_id=item.user_id, run_id=req.model_id, kind=req.kind,
-                     name=name, created_at=now(), size_bytes=ckpt.folder_size(Path(folder)))
+    try:
+        if req.kind == "weights":
+            ctx.engine.save_state(req.model_id, folder)
+        else:  # the engine frees a sampler copy it had loaded from this folder
+            ctx.engine.save_sampler_weights(req.model_id, folder)
+    except CheckpointWriteError as exc:  # disk full, read-only...: ours to fix, not the caller's
+        raise ServiceError("server", f"saving checkpoint {path!r} failed: {exc.reason}; the previous "
+                           "checkpoint of this name, if any, is unchanged", 500) from exc
+    ctx.store.replace(checkpoints_table, path=path, user_id=item.user_id, run_id=req.model_id, kind=req.kind,
+                      name=name, created_at=now(), size_bytes=ckpt.folder_size(Path(folder)))
     if req.kind == "ephemeral":
         _expire_ephemeral(ctx, req.model_id)
     return t.SaveWeightsResponse(path=path)

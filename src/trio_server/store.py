@@ -4,6 +4,17 @@ Tables: api_keys (hashed), runs, requests (futures with their serialized results
 checkpoints, samplers, step_metrics (each run's per-step metrics, one row per value),
 usage (tokens each user's successful requests processed, per run; see ``add_usage``).
 Results are stored as the JSON text that is sent to clients.
+
+Every method is one transaction, run by ``_transaction``. A transaction that fails because
+the connection to the database was lost (a PostgreSQL restart, a killed backend, the
+server not yet accepting connections) is run again, with backoff, for up to
+``retry_seconds``; then the error goes to the caller. Retrying is safe because each
+transaction is idempotent: selects, updates and deletes by key, upserts, and inserts of
+rows with a fresh random key, which a retry first looks for (the lost connection may
+have committed the first attempt). The exception is ``add_usage``, an increment: it runs
+once, not retried. Pooled connections are checked before use
+(``pool_pre_ping``), so connections left over from before a restart are replaced
+rather than failing a request.
 """
 
 from __future__ import annotations
@@ -12,10 +23,16 @@ import datetime as dt
 import hashlib
 import hmac
 import json
+import logging
 import secrets
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
+
+log = logging.getLogger("trio.server")
+T = TypeVar("T")
 
 metadata = sa.MetaData()
 
@@ -111,10 +128,17 @@ def hash_key(key: str) -> str:
 
 
 class Store:
-    def __init__(self, url: str):
+    def __init__(self, url: str, retry_seconds: float = 60.0):
+        """Args:
+            url: a SQLAlchemy URL (``sqlite:///...`` or ``postgresql://...``).
+            retry_seconds: how long a transaction that lost its connection is retried.
+        """
         kwargs: dict[str, Any] = {}
         if url.startswith("sqlite"):
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        else:
+            kwargs["pool_pre_ping"] = True
+        self.retry_seconds = retry_seconds
         self.engine = sa.create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -126,9 +150,8 @@ class Store:
         """A new key of a new user; ``budget_tokens``: see ``set_budget``."""
         key = "trio-" + secrets.token_urlsafe(32)
         user_id = "user-" + secrets.token_hex(6)
-        with self.engine.begin() as c:
-            c.execute(api_keys.insert().values(key_hash=hash_key(key), user_id=user_id, name=name, created_at=now(),
-                                               budget_tokens=budget_tokens))
+        self.insert(api_keys, key_hash=hash_key(key), user_id=user_id, name=name, created_at=now(),
+                    budget_tokens=budget_tokens)
         return key
 
     def user_for_key(self, key: str) -> str | None:
@@ -143,9 +166,9 @@ class Store:
         be refused by the very next request (one indexed SELECT per request is cheap).
         """
         digest = hash_key(key)
-        with self.engine.connect() as c:
-            row = c.execute(sa.select(api_keys.c.key_hash, api_keys.c.user_id, api_keys.c.revoked_at)
-                            .where(api_keys.c.key_hash == digest)).first()
+        query = sa.select(api_keys.c.key_hash, api_keys.c.user_id, api_keys.c.revoked_at).where(
+            api_keys.c.key_hash == digest)
+        row = self._transaction(lambda c: c.execute(query).first())
         if row is None or not hmac.compare_digest(row.key_hash, digest) or row.revoked_at is not None:
             return None
         return str(row.user_id)
@@ -175,9 +198,9 @@ class Store:
     def revoke_api_key(self, id_or_name: str) -> dict:
         """Revoke the one key whose id or name is ``id_or_name`` (KeyError: see find_api_key)."""
         key = self.find_api_key(id_or_name)
-        with self.engine.begin() as c:
-            c.execute(api_keys.update().where(api_keys.c.key_hash.startswith(key["id"]))
-                      .values(revoked_at=key["revoked_at"] or now()))
+        query = (api_keys.update().where(api_keys.c.key_hash.startswith(key["id"]))
+                 .values(revoked_at=key["revoked_at"] or now()))
+        self._transaction(lambda c: c.execute(query))
         return key
 
     def set_budget(self, id_or_name: str, budget_tokens: int | None) -> dict:
@@ -187,20 +210,23 @@ class Store:
         runs, since the key was made); raising it lets a key that ran out work again.
         """
         key = self.find_api_key(id_or_name, action="set the budget")
-        with self.engine.begin() as c:
-            c.execute(api_keys.update().where(api_keys.c.key_hash.startswith(key["id"]))
-                      .values(budget_tokens=budget_tokens))
+        query = api_keys.update().where(api_keys.c.key_hash.startswith(key["id"])).values(budget_tokens=budget_tokens)
+        self._transaction(lambda c: c.execute(query))
         return key
 
     def budget_of(self, user_id: str) -> int | None:
         """The token budget of this user's key (None: no key, as with --no-auth, or no limit)."""
-        with self.engine.connect() as c:
-            return c.execute(sa.select(api_keys.c.budget_tokens).where(api_keys.c.user_id == user_id)).scalar()
+        query = sa.select(api_keys.c.budget_tokens).where(api_keys.c.user_id == user_id)
+        return self._transaction(lambda c: c.execute(query).scalar())
 
     # -- usage ------------------------------------------------------------------------
     def add_usage(self, user_id: str, run_id: str | None, trained: int, prefilled: int, sampled: int) -> None:
         """Add one request's tokens to its user's row for its run, in one statement (an
-        upsert that increments), so concurrent workers and processes never lose a count."""
+        upsert that increments), so concurrent workers and processes never lose a count.
+
+        The one transaction not retried after a lost connection: an increment is not
+        idempotent, and a retry after a commit whose acknowledgement was lost would count
+        the request twice. The caller logs the failure; the request itself is unaffected."""
         if not (trained or prefilled or sampled):
             return
         query = self._upsert(usage).values(user_id=user_id, run_id=run_id or NO_RUN, trained=trained,
@@ -221,8 +247,8 @@ class Store:
     def usage_total(self, user_id: str) -> int:
         """Every token this user's requests processed: trained + prefilled + sampled."""
         total = sa.func.coalesce(sa.func.sum(usage.c.trained + usage.c.prefilled + usage.c.sampled), 0)
-        with self.engine.connect() as c:
-            return int(c.execute(sa.select(total).where(usage.c.user_id == user_id)).scalar() or 0)
+        query = sa.select(total).where(usage.c.user_id == user_id)
+        return int(self._transaction(lambda c: c.execute(query).scalar()) or 0)
 
     def _upsert(self, table: sa.Table) -> Any:
         """An INSERT that can say ON CONFLICT DO UPDATE, in this database's dialect."""
@@ -235,14 +261,59 @@ class Store:
             raise NotImplementedError(f"upserts on {dialect}")
         return insert(table)
 
+    # -- transactions -------------------------------------------------------------------
+    def _transaction(self, work: Callable[[sa.Connection], T]) -> T:
+        """``work(connection)`` in one transaction, run again while the failure is a lost
+        connection and ``retry_seconds`` have not passed (see the module docstring)."""
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        while True:
+            try:
+                with self.engine.begin() as c:
+                    return work(c)
+            except sa.exc.DBAPIError as exc:
+                if not self._lost_connection(exc) or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("database connection lost (%s); retrying in %.2fs",
+                            str(exc.orig).strip().splitlines()[0] if exc.orig else exc, delay)
+            time.sleep(delay)  # backoff while the database comes back, not a race with a test
+            delay = min(delay * 2, 1.0)
+
+    def _lost_connection(self, exc: sa.exc.DBAPIError) -> bool:
+        """A failure of the connection, not of the statement: retrying may succeed.
+        On PostgreSQL every OperationalError is one (refused, shutting down, starting up,
+        terminated backend); on SQLite only what SQLAlchemy saw invalidate the connection."""
+        if exc.connection_invalidated:
+            return True
+        return self.engine.dialect.name == "postgresql" and isinstance(exc, sa.exc.OperationalError)
+
     # -- generic helpers --------------------------------------------------------------
     def insert(self, table: sa.Table, **values: Any) -> None:
-        with self.engine.begin() as c:
+        """Insert one row. ``values`` must include the primary key, fresh (random) for a new
+        row: a retried attempt finding that key already stored is taken as the first
+        attempt having committed before its connection was lost."""
+        attempts = 0
+
+        def work(c: sa.Connection) -> None:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1 and c.execute(sa.select(table).where(*_key_clause(table, values))).first():
+                return
             c.execute(table.insert().values(**values))
 
+        self._transaction(work)
+
+    def replace(self, table: sa.Table, **values: Any) -> None:
+        """Insert one row, replacing the row with its primary key if there is one."""
+        def work(c: sa.Connection) -> None:
+            c.execute(table.delete().where(*_key_clause(table, values)))
+            c.execute(table.insert().values(**values))
+
+        self._transaction(work)
+
     def update(self, table: sa.Table, key: str, key_value: str, **values: Any) -> None:
-        with self.engine.begin() as c:
-            c.execute(table.update().where(table.c[key] == key_value).values(**values))
+        query = table.update().where(table.c[key] == key_value).values(**values)
+        self._transaction(lambda c: c.execute(query))
 
     def get(self, table: sa.Table, **where: Any) -> dict | None:
         rows = self.select(table, **where)
@@ -254,15 +325,13 @@ class Store:
             query = query.where(table.c[k] == v)
         if order_by:
             query = query.order_by(table.c[order_by])
-        with self.engine.connect() as c:
-            return [dict(r._mapping) for r in c.execute(query)]
+        return self._transaction(lambda c: [dict(r._mapping) for r in c.execute(query)])
 
     def delete(self, table: sa.Table, **where: Any) -> None:
         query = table.delete()
         for k, v in where.items():
             query = query.where(table.c[k] == v)
-        with self.engine.begin() as c:
-            c.execute(query)
+        self._transaction(lambda c: c.execute(query))
 
     # -- step metrics ---------------------------------------------------------------------
     def put_metrics(self, run_id: str, step: int, source: str, metrics: dict[str, float]) -> None:
@@ -275,8 +344,7 @@ class Store:
         query = self._upsert(step_metrics).values(rows)
         query = query.on_conflict_do_update(index_elements=list(step_metrics.primary_key.columns),
                                             set_={"value": query.excluded.value})
-        with self.engine.begin() as c:
-            c.execute(query)
+        self._transaction(lambda c: c.execute(query))
 
     def run_metrics(self, run_id: str) -> list[tuple[int, dict[str, float]]]:
         """The run's steps in order, each with its metrics; a client value of a name
@@ -285,25 +353,27 @@ class Store:
                  .where(step_metrics.c.run_id == run_id)
                  .order_by(step_metrics.c.step, step_metrics.c.source.desc(), step_metrics.c.name))
         steps: dict[int, dict[str, float]] = {}
-        with self.engine.connect() as c:
-            for step, _source, name, value in c.execute(query):  # "service" before "client"
-                steps.setdefault(step, {})[name] = value
+        for step, _source, name, value in self._transaction(lambda c: c.execute(query).all()):
+            steps.setdefault(step, {})[name] = value  # "service" before "client"
         return list(steps.items())
 
     def max_seq_by_run(self) -> dict[str, int]:
         query = sa.select(requests.c.run_id, sa.func.max(requests.c.seq)).where(requests.c.seq.is_not(None)).group_by(requests.c.run_id)
-        with self.engine.connect() as c:
-            return {run_id: seq for run_id, seq in c.execute(query)}
+        return self._transaction(lambda c: {run_id: seq for run_id, seq in c.execute(query)})
 
     def fail_pending(self, message: str) -> list[dict]:
         """At start-up: requests left pending by a crash become failed."""
-        pending = self.select(requests, status="pending")
-        with self.engine.begin() as c:
-            c.execute(
-                requests.update().where(requests.c.status == "pending")
-                .values(status="failed", error_category="server", error_message=message)
-            )
-        return pending
+        def work(c: sa.Connection) -> list[dict]:
+            pending = [dict(r._mapping) for r in c.execute(sa.select(requests).where(requests.c.status == "pending"))]
+            c.execute(requests.update().where(requests.c.status == "pending")
+                      .values(status="failed", error_category="server", error_message=message))
+            return pending
+
+        return self._transaction(work)
+
+
+def _key_clause(table: sa.Table, values: dict[str, Any]) -> list[sa.ColumnElement[bool]]:
+    return [column == values[column.name] for column in table.primary_key.columns]
 
 
 def _add_missing_columns(engine: sa.Engine) -> None:
