@@ -3,28 +3,21 @@ which .ci/run sets after starting Debian's PostgreSQL)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 import pytrio as trio
 from pytrio.transport.local import LocalTransport
 from trio_server.core import RESTART_MESSAGE, ServiceCore
-from trio_server.store import Store, metadata
+from trio_server.store import Store
 
-PG_URL = os.environ.get("TRIO_TEST_POSTGRES_URL")
+from .postgres import empty_postgres_url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'trio.db'}"
-    if not PG_URL:
-        if os.environ.get("CI"):
-            pytest.fail("TRIO_TEST_POSTGRES_URL must be set in CI (.ci/run starts PostgreSQL)")
-        pytest.skip("no PostgreSQL: set TRIO_TEST_POSTGRES_URL")
-    metadata.drop_all(Store(PG_URL).engine)
-    return PG_URL
+    return empty_postgres_url()
 
 
 def test_keys_runs_checkpoints_and_restart(db_url, tmp_path):

@@ -21,12 +21,11 @@ import sqlalchemy as sa
 import pytrio as trio
 from pytrio.transport.local import LocalTransport
 from trio_server.core import ServiceCore
-from trio_server.store import Store, metadata
 from trio_server.store import requests as requests_table
 
 from ..polling import wait_until
+from .postgres import empty_postgres_url
 
-PG_URL = os.environ.get("TRIO_TEST_POSTGRES_URL")
 MODEL = "trio/tiny-llama"
 CLIENTS = 3
 TOKENS = [1, 5, 9, 200, 31, 7, 7, 300]
@@ -34,12 +33,7 @@ TOKENS = [1, 5, 9, 200, 31, 7, 7, 300]
 
 @pytest.fixture
 def pg_url():
-    if not PG_URL:
-        if os.environ.get("CI"):
-            pytest.fail("TRIO_TEST_POSTGRES_URL must be set in CI (.ci/run starts PostgreSQL)")
-        pytest.skip("no PostgreSQL: set TRIO_TEST_POSTGRES_URL")
-    metadata.drop_all(Store(PG_URL).engine)
-    return PG_URL
+    return empty_postgres_url()
 
 
 def restart_postgres(url: str) -> str:
