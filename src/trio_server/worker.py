@@ -1,6 +1,7 @@
 """One worker thread per base model: schedule -> execute -> resolve, over one engine.
 
-The worker owns its queue. ``scheduler.next_batch`` (pure) picks what runs next,
+The worker owns its queue and the fair-queueing state between users.
+``scheduler.next_batch`` (pure) picks what runs next, ``scheduler.charge`` bills it,
 ``handlers.execute`` runs it on the engine, and the core's ``resolve`` stores each
 outcome and wakes its waiters. When idle, the worker lets runs whose client went
 quiet leave memory (``Engine.offload``), and lets a run continue past a sequence
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from .errors import ServiceError
 from .handlers import Context, Result, execute
-from .scheduler import WorkItem, next_batch, stalled_runs
+from .scheduler import Fairness, WorkItem, charge, next_batch, stalled_runs
 
 log = logging.getLogger("trio.server")
 
@@ -33,7 +34,7 @@ class Sequencing:
 
 class HostWorker:
     def __init__(self, ctx: Context, resolve: Callable[[WorkItem, Result], None], order: Sequencing,
-                 idle_offload_seconds: float):
+                 idle_offload_seconds: float, max_batch_tokens: int | None = None):
         self.ctx = ctx
         self.engine = ctx.engine
         self.resolve = resolve
@@ -45,6 +46,8 @@ class HostWorker:
         self._stopped = False
         self.last_used: dict[str, float] = {}  # run id -> when a request last touched it (resident runs)
         self.queued_at: dict[str, float] = {}  # request id -> when it was queued
+        self.max_batch_tokens = max_batch_tokens
+        self.fair = Fairness()  # fair queueing between users (scheduler.py), advanced per batch
         self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{ctx.base_model}", daemon=True)
         self.thread.start()
 
@@ -109,15 +112,19 @@ class HostWorker:
         with self.cond:
             if self._stopped:
                 return None
-            batch = next_batch(self.pending, self.order.next_seq)
+            batch = self._next_batch()
             if not batch:
                 self.cond.wait(timeout=1.0)
-                batch = next_batch(self.pending, self.order.next_seq)
+                batch = self._next_batch()
+            self.fair = charge(self.fair, batch)
             for item in batch:
                 self.pending.remove(item)
                 self.queued_at.pop(item.request_id, None)
                 self.running.add(item.request_id)
             return batch
+
+    def _next_batch(self) -> list[WorkItem]:
+        return next_batch(self.pending, self.order.next_seq, max_tokens=self.max_batch_tokens, fair=self.fair)
 
     def _skip_missing_seqs(self) -> None:
         with self.cond:
