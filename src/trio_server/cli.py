@@ -22,7 +22,8 @@ from typing import Any
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ENGINES = ("local", "ray")
-_LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_per_user")
+_LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_per_user", "max_pending_per_user",
+                "max_pending_total", "max_batch_tokens")
 
 
 def _data_dir(value: str | None) -> Path:
@@ -212,6 +213,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-checkpoint-bytes-per-user", type=int, metavar="BYTES",
                    help="quota: checkpoint bytes per API key; a save is refused once a user holds this many "
                         "(default none)")
+    p.add_argument("--max-pending-per-user", type=int, metavar="N",
+                   help="queue bound: requests of one API key accepted and not yet finished; past it a submit "
+                        "gets 429 with Retry-After (default 256)")
+    p.add_argument("--max-pending-total", type=int, metavar="N",
+                   help="queue bound: requests of all users accepted and not yet finished (default 4096)")
+    p.add_argument("--max-batch-tokens", type=int, metavar="N",
+                   help="scheduler: tokens one forward/forward_backward/sample batch may hold; a single larger "
+                        "request runs alone (default 8192)")
     p.add_argument("--device", type=device, default=os.environ.get("TRIO_DEVICE") or "auto",
                    help="auto|cpu|cuda|cuda:N; auto picks CUDA when available (default $TRIO_DEVICE or auto)")
     p.add_argument("--ssl-certfile", metavar="PEM", help="serve HTTPS with this certificate (chain); needs --ssl-keyfile")
