@@ -127,7 +127,7 @@ class Session:
             except TrioError as exc:
                 left = deadline - time.monotonic()
                 if not is_transient(exc) or left <= 0:
-                    if isinstance(exc, CapacityError) and attempt:
+                    if isinstance(exc, CapacityError):
                         exc.message = (f"{op}: gave up after {attempt + 1} tries over "
                                        f"{time.monotonic() - started:.0f} s: {exc.message}")
                         exc.args = (exc.message,)
