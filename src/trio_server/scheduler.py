@@ -26,6 +26,11 @@ make it wait for the whole large pass, while equally loaded users still share pa
 and one user's runs share passes freely (each run contributes at most its head, which
 is before its next ``optim_step``). The token budget bounds how long any batch runs,
 hence how long a newly due request waits for the one ahead of it.
+
+Limit: scheduling is per request and a started batch runs to its end, so a request
+larger than the budget still holds the engine for its whole pass; bounding that wait
+too needs a large request split across passes (with its gradient rolled back as a whole
+if a later part fails), which is not done yet. ``benchmarks/fairness.py`` measures it.
 """
 
 from __future__ import annotations
