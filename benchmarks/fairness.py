@@ -10,19 +10,29 @@ machine's load hits both alike; latencies are pooled per condition.
     RESULT fairness_p99 ours=<p99 beside the flood, ms> baseline=<p99 alone, ms> ratio=<beside/alone>
     RESULT fairness_p50 ...
 
-Lower ratios are better; the target is p99 ratio <= 3. The scheduler cannot stop a batch
-that has started, so a light step beside the flood waits, at worst, for the batch running
-when it arrives (at most ``--max-batch-tokens`` tokens, or one request if that is larger):
-the ratio is bounded by about (that batch's time + a light step) / a light step.
+Lower ratios are better; the target is p99 ratio <= 3. The engine cannot stop a pass that
+has started, so a light step beside the flood waits, at worst, for the pass running when it
+arrives: at most ``--max-pass-tokens`` tokens, as larger requests run in parts of that size
+(``trio_server/splitting.py``) and a batch holds no more. The ratio is bounded by about
+(one such pass + a light step) / a light step.
+
+Smaller passes cost the flood throughput (less work per pass); the flood alone, with and
+without splitting, alternately (``--flood-calls`` forward_backward calls each), reports what:
+
+    RESULT flood_tokens_per_s ours=<split> baseline=<unsplit> ratio=<split/unsplit>
+
+The machine's 1-minute load average is printed per block: the figures are only as quiet as it.
 
     python benchmarks/fairness.py [--steps 40] [--reps 2] [--flood-runs 3] [--flood-datums 8]
                                   [--flood-tokens 64] [--light-tokens 32] [--max-batch-tokens N]
+                                  [--max-pass-tokens N] [--flood-calls 9]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -103,10 +113,13 @@ def main() -> None:
     ap.add_argument("--flood-tokens", type=int, default=64)
     ap.add_argument("--light-tokens", type=int, default=32)
     ap.add_argument("--max-batch-tokens", type=int, default=Limits().max_batch_tokens)
+    ap.add_argument("--max-pass-tokens", type=int, default=Limits().max_pass_tokens, help="0: never split")
+    ap.add_argument("--flood-calls", type=int, default=9, help="calls timed per flood-alone throughput block")
     args = ap.parse_args()
 
+    pass_tokens = args.max_pass_tokens or None
     core = ServiceCore(tempfile.mkdtemp(prefix="trio-fairness-"), dtype="float32",
-                       limits=Limits(max_batch_tokens=args.max_batch_tokens))
+                       limits=Limits(max_batch_tokens=args.max_batch_tokens, max_pass_tokens=pass_tokens))
     light_svc = trio.ServiceClient(transport=LocalTransport(core, "light"))
     flood_svc = trio.ServiceClient(transport=LocalTransport(core, "flood"))
     light = light_svc.create_lora_training_client(base_model=TINY_LLAMA, rank=8)
@@ -115,10 +128,12 @@ def main() -> None:
     small, large = data(1, args.light_tokens), data(args.flood_datums, args.flood_tokens, offset=3)
     print(f"light: 1 x {args.light_tokens} tokens + optim_step; flood: {args.flood_runs} runs x "
           f"{args.flood_datums} x {args.flood_tokens} tokens, 2 in flight each; "
-          f"max_batch_tokens={args.max_batch_tokens}", flush=True)
+          f"max_batch_tokens={args.max_batch_tokens} max_pass_tokens={pass_tokens}", flush=True)
     light_steps(light, 3, small)  # warm-up
     alone: list[float] = []
     beside: list[float] = []
+    throughput: dict[int | None, list[float]] = {pass_tokens: [], None: []}
+    worker = core.workers[TINY_LLAMA]
     for rep in range(args.reps):
         alone += light_steps(light, args.steps, small)
         started = time.perf_counter()
@@ -129,12 +144,24 @@ def main() -> None:
         seconds = time.perf_counter() - started
         print(f"block {rep}: alone p50={statistics.median(alone[-args.steps:]):.0f} ms, beside "
               f"p50={statistics.median(beside[-args.steps:]):.0f} ms; flood ran {flooded} forward_backward "
-              f"calls ({flooded * args.flood_datums * args.flood_tokens / seconds:.0f} tokens/s) meanwhile",
-              flush=True)
+              f"calls ({flooded * args.flood_datums * args.flood_tokens / seconds:.0f} tokens/s) meanwhile; "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)
+        for split in (pass_tokens, None):  # the flood alone: what splitting costs it
+            worker.max_pass_tokens = split
+            with Flood(flood_runs, large) as flood:
+                before, started = flood.done, time.perf_counter()
+                while flood.done < before + args.flood_calls:
+                    time.sleep(0.01)
+                calls, seconds = flood.done - before, time.perf_counter() - started
+                throughput[split].append(calls * args.flood_datums * args.flood_tokens / seconds)
+            print(f"  flood alone, max_pass_tokens={split}: {throughput[split][-1]:.0f} tokens/s", flush=True)
+        worker.max_pass_tokens = pass_tokens
     core.close()
     for name, stat in (("p99", p99), ("p50", statistics.median)):
         ours, base = stat(beside), stat(alone)
         print(f"RESULT fairness_{name} ours={ours:.4g} baseline={base:.4g} ratio={ours / base:.3f}", flush=True)
+    ours, base = statistics.median(throughput[pass_tokens]), statistics.median(throughput[None])
+    print(f"RESULT flood_tokens_per_s ours={ours:.4g} baseline={base:.4g} ratio={ours / base:.3f}", flush=True)
 
 
 if __name__ == "__main__":

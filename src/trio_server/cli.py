@@ -12,6 +12,7 @@ Heavy imports (uvicorn, the app, torch via the core) wait until a command runs, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -23,7 +24,7 @@ from typing import Any
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ENGINES = ("local", "ray")
 _LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_per_user", "max_pending_per_user",
-                "max_pending_total", "max_batch_tokens")
+                "max_pending_total", "max_batch_tokens", "max_pass_tokens")
 
 
 def _data_dir(value: str | None) -> Path:
@@ -78,6 +79,8 @@ def serve(args: argparse.Namespace) -> None:
         log.warning("shared user. Use this for localhost development only.")
         log.warning("=" * 72)
     limits = Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS if getattr(args, name) is not None})
+    if limits.max_pass_tokens == 0:  # 0: never split a request
+        limits = dataclasses.replace(limits, max_pass_tokens=None)
     core = ServiceCore(
         _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits,
         engine=args.engine, ray_address=args.ray_address, device=args.device,
@@ -221,6 +224,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=int, metavar="N",
                    help="scheduler: tokens one forward/forward_backward/sample batch may hold; a single larger "
                         "request runs alone (default 8192)")
+    p.add_argument("--max-pass-tokens", type=int, metavar="N",
+                   help="scheduler: a forward/forward_backward request over N tokens runs as several passes of at "
+                        "most N tokens, so other users' steps go between them; 0: never split (default 256)")
     p.add_argument("--device", type=device, default=os.environ.get("TRIO_DEVICE") or "auto",
                    help="auto|cpu|cuda|cuda:N; auto picks CUDA when available (default $TRIO_DEVICE or auto)")
     p.add_argument("--ssl-certfile", metavar="PEM", help="serve HTTPS with this certificate (chain); needs --ssl-keyfile")

@@ -64,7 +64,10 @@ class Limits:
     requests accepted and not yet finished (queued or running). A submit past either is
     refused with 429 and ``Retry-After: retry_after_seconds`` before anything changes, so
     what was accepted is never dropped to make room. ``max_batch_tokens`` is the
-    scheduler's token budget per batch (see ``scheduler.py``).
+    scheduler's token budget per batch (see ``scheduler.py``); a forward or
+    forward_backward request over ``max_pass_tokens`` runs as several passes of at most
+    that many tokens, so no user waits long for another's pass (see ``splitting.py``;
+    None: never split).
     """
 
     max_tokens_per_request: int = 131_072
@@ -81,6 +84,7 @@ class Limits:
     max_pending_total: int | None = 4096
     retry_after_seconds: float = 1.0
     max_batch_tokens: int = 8192
+    max_pass_tokens: int | None = 256
 
 
 @dataclass
@@ -453,7 +457,8 @@ class ServiceCore:
                               self.limits.ephemeral_samplers_per_run)
                 order = Sequencing(self.next_seq, self.lock, self.limits.seq_gap_seconds)
                 self.workers[base_model] = HostWorker(ctx, lambda item, r: self.resolve(item, *r), order,
-                                                      self.idle_offload_seconds, self.limits.max_batch_tokens)
+                                                      self.idle_offload_seconds, self.limits.max_batch_tokens,
+                                                      self.limits.max_pass_tokens)
             return self.workers[base_model]
 
     def _new_engine(self, base_model: str) -> Engine:

@@ -27,10 +27,14 @@ and one user's runs share passes freely (each run contributes at most its head, 
 is before its next ``optim_step``). The token budget bounds how long any batch runs,
 hence how long a newly due request waits for the one ahead of it.
 
-Limit: scheduling is per request and a started batch runs to its end, so a request
-larger than the budget still holds the engine for its whole pass; bounding that wait
-too needs a large request split across passes (with its gradient rolled back as a whole
-if a later part fails), which is not done yet. ``benchmarks/fairness.py`` measures it.
+Time-slicing. A started pass runs to its end, so a newly due request waits for the pass
+running when it arrives. The worker keeps that pass short: a forward or
+forward_backward request over ``max_pass_tokens`` reaches this function one part at a
+time (``splitting.py``), each part an ordinary item of the request's run and ``seq``, and
+the batch budget is at most ``max_pass_tokens`` too (``HostWorker.batch_budget``). So
+the choice between users is made again after every pass, and a light tenant beside a
+flood waits about one short pass, not one whole flood request.
+``benchmarks/fairness.py`` measures it.
 """
 
 from __future__ import annotations

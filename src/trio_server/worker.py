@@ -3,9 +3,13 @@
 The worker owns its queue and the fair-queueing state between users.
 ``scheduler.next_batch`` (pure) picks what runs next, ``scheduler.charge`` bills it,
 ``handlers.execute`` runs it on the engine, and the core's ``resolve`` stores each
-outcome and wakes its waiters. When idle, the worker lets runs whose client went
-quiet leave memory (``Engine.offload``), and lets a run continue past a sequence
-number that never arrived.
+outcome and wakes its waiters. A large forward or forward_backward request is queued
+one part at a time (``splitting.py``): after each part the worker queues the next (due
+by its user's tag, so other users may go first), and resolves the request once, when
+its last part is done or one failed (``handlers.finish_split`` then merges the parts'
+results, or rolls the run's grads back to before the first part). When idle, the
+worker lets runs whose client went quiet leave memory (``Engine.offload``), and lets a
+run continue past a sequence number that never arrived.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import ServiceError
-from .handlers import Context, Result, execute
+from .handlers import Context, Result, execute, finish_split
 from .scheduler import Fairness, WorkItem, charge, next_batch, stalled_runs
+from .splitting import Split, maybe_split, merge_elapsed, split_of
 
 log = logging.getLogger("trio.server")
 
@@ -34,7 +39,8 @@ class Sequencing:
 
 class HostWorker:
     def __init__(self, ctx: Context, resolve: Callable[[WorkItem, Result], None], order: Sequencing,
-                 idle_offload_seconds: float, max_batch_tokens: int | None = None):
+                 idle_offload_seconds: float, max_batch_tokens: int | None = None,
+                 max_pass_tokens: int | None = None):
         self.ctx = ctx
         self.engine = ctx.engine
         self.resolve = resolve
@@ -47,11 +53,16 @@ class HostWorker:
         self.last_used: dict[str, float] = {}  # run id -> when a request last touched it (resident runs)
         self.queued_at: dict[str, float] = {}  # request id -> when it was queued
         self.max_batch_tokens = max_batch_tokens
+        self.max_pass_tokens = max_pass_tokens  # larger forward(_backward) requests run in parts (splitting.py)
         self.fair = Fairness()  # fair queueing between users (scheduler.py), advanced per batch
         self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{ctx.base_model}", daemon=True)
         self.thread.start()
 
     def enqueue(self, item: WorkItem) -> None:
+        """Queue a request: itself, or its first part if it is to run in parts."""
+        self._queue(maybe_split(item, self.max_pass_tokens))
+
+    def _queue(self, item: WorkItem) -> None:
         with self.cond:
             self.queued_at[item.request_id] = time.monotonic()
             self.pending.append(item)
@@ -91,10 +102,24 @@ class HostWorker:
                     if run_id is not None:
                         self.last_used[run_id] = time.monotonic()
                 for item, result in zip(batch, results):
-                    self.resolve(item, result)
+                    split = split_of(item)
+                    if split is None:
+                        self.resolve(item, result)
+                    else:
+                        self._part_done(split, result)
             finally:
                 with self.cond:
                     self.running.difference_update(i.request_id for i in batch)
+
+    def _part_done(self, split: Split, result: Result) -> None:
+        """Queue the request's next part, or resolve the request: all parts done, or one failed."""
+        merge_elapsed(result[0], split)
+        error = result[1]
+        if error is None and not split.last:
+            split.index += 1
+            self._queue(split.part())  # due by its user's tag, like any request: others may go first
+            return
+        self.resolve(split.whole, finish_split(self.ctx, split, error))
 
     def _execute(self, batch: list[WorkItem]) -> list[Result]:
         """``execute``, except that a bug escaping it fails this batch's requests with a server
@@ -124,7 +149,13 @@ class HostWorker:
             return batch
 
     def _next_batch(self) -> list[WorkItem]:
-        return next_batch(self.pending, self.order.next_seq, max_tokens=self.max_batch_tokens, fair=self.fair)
+        return next_batch(self.pending, self.order.next_seq, max_tokens=self.batch_budget(), fair=self.fair)
+
+    def batch_budget(self) -> int | None:
+        """Tokens one batch may hold: a pass of co-batched requests is bounded like a part of
+        a split one, or a light request would still wait for several users' parts at once."""
+        budgets = [b for b in (self.max_batch_tokens, self.max_pass_tokens) if b is not None]
+        return min(budgets) if budgets else None
 
     def _skip_missing_seqs(self) -> None:
         with self.cond:
