@@ -63,13 +63,23 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def limits_from(args: argparse.Namespace) -> Any:
+    """The service's ``Limits``: the defaults, overridden by the flags given."""
+    from .core import Limits
+
+    limits = Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS if getattr(args, name) is not None})
+    if limits.max_pass_tokens == 0:  # 0: never split a request
+        limits = dataclasses.replace(limits, max_pass_tokens=None)
+    return limits
+
+
 def serve(args: argparse.Namespace) -> None:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):  # before the slow imports
         sys.exit("trio serve: --ssl-certfile and --ssl-keyfile go together (got only one)")
     import uvicorn
 
     from .app import create_app
-    from .core import Limits, ServiceCore
+    from .core import ServiceCore
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     log = logging.getLogger("trio.server")
@@ -78,11 +88,8 @@ def serve(args: argparse.Namespace) -> None:
         log.warning("AUTHENTICATION IS OFF (--no-auth): anyone who reaches %s:%d acts as one", args.host, args.port)
         log.warning("shared user. Use this for localhost development only.")
         log.warning("=" * 72)
-    limits = Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS if getattr(args, name) is not None})
-    if limits.max_pass_tokens == 0:  # 0: never split a request
-        limits = dataclasses.replace(limits, max_pass_tokens=None)
     core = ServiceCore(
-        _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits,
+        _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits_from(args),
         engine=args.engine, ray_address=args.ray_address, device=args.device,
         ray_placement=dict(args.ray_place or []),
     )
@@ -226,7 +233,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "request runs alone (default 8192)")
     p.add_argument("--max-pass-tokens", type=int, metavar="N",
                    help="scheduler: a forward/forward_backward request over N tokens runs as several passes of at "
-                        "most N tokens, so other users' steps go between them; 0: never split (default 256)")
+                        "most N tokens, so other users' steps go between them; 0: never split (default 64; raise it on a GPU)")
     p.add_argument("--device", type=device, default=os.environ.get("TRIO_DEVICE") or "auto",
                    help="auto|cpu|cuda|cuda:N; auto picks CUDA when available (default $TRIO_DEVICE or auto)")
     p.add_argument("--ssl-certfile", metavar="PEM", help="serve HTTPS with this certificate (chain); needs --ssl-keyfile")

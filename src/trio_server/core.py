@@ -84,7 +84,7 @@ class Limits:
     max_pending_total: int | None = 4096
     retry_after_seconds: float = 1.0
     max_batch_tokens: int = 8192
-    max_pass_tokens: int | None = 256
+    max_pass_tokens: int | None = 64  # benchmarks/fairness.py: 64 meets its target on a 2-core CPU, 128 did not
 
 
 @dataclass
