@@ -133,8 +133,9 @@ def _forward(ctx: Context, batch: list[WorkItem]) -> list[Result]:
         jobs[k] = ForwardJob(req.model_id, examples, req.loss_fn, dict(req.loss_fn_config or {}))
     run = ctx.engine.forward_backward if batch[0].op == "forward_backward" else ctx.engine.forward
     outs, error = _guard(run, list(jobs.values())) if jobs else ([], None)
-    if error:
-        outs = [Failure(error.category, error.message)] * len(jobs)
+    if error:  # the whole pass failed: every job in it, with that error
+        results.update({k: (None, error) for k in jobs})
+        outs = []
     for k, out in zip(jobs, outs):
         item = batch[k]
         split = split_of(item)

@@ -31,10 +31,11 @@ Time-slicing. A started pass runs to its end, so a newly due request waits for t
 running when it arrives. The worker keeps that pass short: a forward or
 forward_backward request over ``max_pass_tokens`` reaches this function one part at a
 time (``splitting.py``), each part an ordinary item of the request's run and ``seq``, and
-the batch budget is at most ``max_pass_tokens`` too (``HostWorker.batch_budget``). So
-the choice between users is made again after every pass, and a light tenant beside a
-flood waits about one short pass, not one whole flood request.
-``benchmarks/fairness.py`` measures it.
+the budget of a forward(_backward) batch is at most ``max_pass_tokens`` too. So the
+choice between users is made again after every pass, and a light tenant beside a flood
+waits about one short pass, not one whole flood request (``benchmarks/fairness.py``
+measures it). Sampling is not sliced: its batches keep ``max_tokens``, and a long
+generation holds the engine until it ends.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BATCHABLE = {"forward", "forward_backward", "sample"}
+PASS_SLICED = {"forward", "forward_backward"}  # split into passes of max_pass_tokens (splitting.py)
 BASE_COST = 32  # tokens' worth charged per request on top of its tokens (optim_step, saves, ...)
 
 
@@ -122,7 +124,8 @@ def stalled_runs(pending: list[WorkItem], next_seq: dict[str, int], waited: dict
 
 
 def next_batch(pending: list[WorkItem], next_seq: dict[str, int], max_batch: int = 64,
-               max_tokens: int | None = None, fair: Fairness | None = None) -> list[WorkItem]:
+               max_tokens: int | None = None, fair: Fairness | None = None,
+               max_pass_tokens: int | None = None) -> list[WorkItem]:
     """The items to execute together next; empty when nothing is ready.
 
     Args:
@@ -132,6 +135,8 @@ def next_batch(pending: list[WorkItem], next_seq: dict[str, int], max_batch: int
         max_tokens: most tokens in one batch (None: no budget); the head always runs.
         fair: the fair-queueing state (``charge`` advances it once a batch is taken);
             None: every user equally due, so the oldest ready request heads the batch.
+        max_pass_tokens: most tokens in a forward or forward_backward batch, when lower
+            than ``max_tokens`` (their large requests come split to this size).
     """
     fair = fair or Fairness()
     ready = sorted((i for i in pending if is_ready(i, next_seq)), key=lambda i: (fair.tag(i.user_id), i.arrival))
@@ -141,6 +146,8 @@ def next_batch(pending: list[WorkItem], next_seq: dict[str, int], max_batch: int
     if head.op not in BATCHABLE:
         return [head]
     due_by = fair.tag(head.user_id) + cost(head)  # others due before the head would finish may join
+    if head.op in PASS_SLICED:
+        max_tokens = min((b for b in (max_tokens, max_pass_tokens) if b is not None), default=None)
     batch, used = [head], tokens(head)
     for item in ready[1:]:
         if len(batch) >= max_batch:

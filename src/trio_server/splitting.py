@@ -27,9 +27,7 @@ from typing import Any
 
 from trio_engine import ForwardResult
 
-from .scheduler import WorkItem, tokens
-
-SPLITTABLE = {"forward", "forward_backward"}
+from .scheduler import PASS_SLICED, WorkItem, tokens
 
 
 def cut(lengths: list[int], max_pass_tokens: int) -> list[int]:
@@ -77,7 +75,7 @@ def split_of(item: WorkItem) -> Split | None:
 
 def maybe_split(item: WorkItem, max_pass_tokens: int | None) -> WorkItem:
     """``item`` itself, or the first part of it if it is to run as several passes."""
-    if max_pass_tokens is None or item.op not in SPLITTABLE or tokens(item) <= max_pass_tokens:
+    if max_pass_tokens is None or item.op not in PASS_SLICED or tokens(item) <= max_pass_tokens:
         return item
     starts = cut([d.model_input.length for d in item.request.data], max_pass_tokens)
     if len(starts) == 1:  # one datum

@@ -119,7 +119,12 @@ class HostWorker:
             split.index += 1
             self._queue(split.part())  # due by its user's tag, like any request: others may go first
             return
-        self.resolve(split.whole, finish_split(self.ctx, split, error))
+        try:
+            outcome = finish_split(self.ctx, split, error)
+        except Exception as exc:  # a bug merging must fail this request, not end the thread
+            log.exception("request=%s: unexpected error finishing its parts", split.whole.request_id)
+            outcome = (None, ServiceError("server", f"internal error merging parts: {type(exc).__name__}: {exc}", 500))
+        self.resolve(split.whole, outcome)
 
     def _execute(self, batch: list[WorkItem]) -> list[Result]:
         """``execute``, except that a bug escaping it fails this batch's requests with a server
@@ -149,13 +154,8 @@ class HostWorker:
             return batch
 
     def _next_batch(self) -> list[WorkItem]:
-        return next_batch(self.pending, self.order.next_seq, max_tokens=self.batch_budget(), fair=self.fair)
-
-    def batch_budget(self) -> int | None:
-        """Tokens one batch may hold: a pass of co-batched requests is bounded like a part of
-        a split one, or a light request would still wait for several users' parts at once."""
-        budgets = [b for b in (self.max_batch_tokens, self.max_pass_tokens) if b is not None]
-        return min(budgets) if budgets else None
+        return next_batch(self.pending, self.order.next_seq, max_tokens=self.max_batch_tokens, fair=self.fair,
+                          max_pass_tokens=self.max_pass_tokens)
 
     def _skip_missing_seqs(self) -> None:
         with self.cond:

@@ -134,3 +134,16 @@ def test_sampling_and_logprobs_cost_their_tokens():
     assert tokens(WorkItem("s", "sample", sample, "u")) == 7 + 3 * 5
     assert tokens(WorkItem("p", "compute_logprobs", SimpleNamespace(prompt=prompt), "u")) == 7
     assert tokens(WorkItem("o", "optim_step", SimpleNamespace(), "u")) == 0
+
+
+def test_max_pass_tokens_bounds_forward_batches_but_not_sampling():
+    from types import SimpleNamespace
+
+    fwd = [fb(f"f{k}", "u", f"run{k}", 40, arrival=k) for k in range(3)]
+    assert len(next_batch(fwd, {}, max_tokens=8192, max_pass_tokens=64)) == 1  # 40 + 40 > 64
+    assert len(next_batch(fwd, {}, max_tokens=100, max_pass_tokens=None)) == 2
+    assert len(next_batch(fwd, {}, max_tokens=100, max_pass_tokens=200)) == 2  # the lower budget holds
+    sample = SimpleNamespace(prompt=SimpleNamespace(length=40), sampling_params=SimpleNamespace(max_tokens=8),
+                             num_samples=1)
+    samples = [WorkItem(f"s{k}", "sample", sample, "u", arrival=k) for k in range(3)]
+    assert len(next_batch(samples, {}, max_tokens=8192, max_pass_tokens=64)) == 3  # decoding is not sliced
