@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -28,9 +29,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from .errors import CapacityError, TrioError, error_from_category, is_transient
 from .errors import ConnectionError as TrioConnectionError
 from .errors import TimeoutError as TrioTimeoutError
-from .errors import TrioError, error_from_category, is_transient
 from .futures import on_background
 from .transport import Transport
 from .types import FutureResponse, load_tokenizer
@@ -73,6 +74,27 @@ class QueueNotice:
                else f"starts in ~{state.starts_in_seconds:.0f} s")
         return (f"pytrio: request {self.request_id} queued: position {state.queue_position}, {eta} "
                 f"(waited {now - self.started:.0f} s)")
+
+
+FIRST_BACKOFF_SECONDS = 0.1
+MAX_BACKOFF_SECONDS = 2.0  # exponential back-off stops growing here
+MAX_RETRY_AFTER_SECONDS = 30.0  # a longer Retry-After is waited only this long before asking again
+JITTER = 0.25  # each wait is stretched by up to this fraction, so refused clients do not return in step
+
+
+def backoff_seconds(attempt: int, retry_after: float | None, jitter: float) -> float:
+    """How long to wait before resubmitting after the ``attempt``-th refusal (0-based).
+
+    The service's ``Retry-After`` (capped at MAX_RETRY_AFTER_SECONDS) when it gave one,
+    else exponential back-off capped at MAX_BACKOFF_SECONDS; then stretched by
+    ``1 + JITTER * jitter`` (``jitter`` in [0, 1)), never shortened: a client never
+    comes back sooner than it was asked to.
+    """
+    if retry_after is not None:
+        base = min(max(retry_after, 0.0), MAX_RETRY_AFTER_SECONDS)
+    else:
+        base = min(MAX_BACKOFF_SECONDS, FIRST_BACKOFF_SECONDS * 2 ** min(attempt, 30))
+    return base * (1 + JITTER * jitter)
 
 
 class Session:
@@ -139,20 +161,32 @@ class Session:
                 raise
 
     async def _submit(self, op: str, body: dict[str, Any]) -> str:
-        """Submit, retrying what may pass on its own (unreachable, 429, 5xx) for up to
-        RECONNECT_SECONDS: with exponential back-off, or as long as ``Retry-After`` asks.
-        Retries reuse one idempotency key, so a retried submit never runs twice."""
+        """Submit, retrying what may pass on its own (unreachable, 429, 5xx) until
+        RECONNECT_SECONDS have passed (``backoff_seconds`` apart; the last wait ends at
+        the deadline, for one last try). Retries reuse one idempotency key, so a retried
+        submit never runs twice, and one the service had accepted answers its request id.
+
+        Raises:
+            CapacityError: the service still refused it as over capacity at the deadline
+                (the message says which limit, how many tries and how long).
+        """
         key = uuid.uuid4().hex
-        deadline = time.monotonic() + RECONNECT_SECONDS  # ride out a service restart
-        delay = 0.1
+        started = time.monotonic()
+        deadline = started + RECONNECT_SECONDS  # ride out a service restart, or a full queue
+        attempt = 0
         while True:
             try:
                 return await self.transport.submit(op, body, key)
             except TrioError as exc:
-                if not is_transient(exc) or time.monotonic() > deadline:
+                left = deadline - time.monotonic()
+                if not is_transient(exc) or left <= 0:
+                    if isinstance(exc, CapacityError):
+                        exc.message = (f"{op}: gave up after {attempt + 1} tries over "
+                                       f"{time.monotonic() - started:.0f} s: {exc.message}")
+                        exc.args = (exc.message,)
                     raise
-                await asyncio.sleep(exc.retry_after if exc.retry_after is not None else delay)
-                delay = min(2.0, delay * 2)
+                await asyncio.sleep(min(left, backoff_seconds(attempt, exc.retry_after, random.random())))
+                attempt += 1
 
     async def tokenizer(self, base_model: str) -> Any:
         """A Hugging Face tokenizer from files the service provides (no model hub)."""

@@ -336,6 +336,8 @@ class ServerCapabilities(_Model):
     max_lora_rank: int
     max_runs_per_user: int | None = None  # per-user quotas; None: none
     max_checkpoint_bytes_per_user: int | None = None
+    max_pending_per_user: int | None = None  # queue bounds: accepted, unfinished requests; None: none
+    max_pending_total: int | None = None
 
 
 class TokenUsage(_Model):

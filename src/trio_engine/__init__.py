@@ -4,7 +4,7 @@ a batched KV-cache sampler and checkpoint I/O. Imports torch; the SDK never impo
 from .catalog import DEFAULT_MODEL, TINY_LLAMA, TINY_QWEN3, Catalog, ModelNotAvailableError
 from .device import resolve_device, resolve_dtype
 from .errors import AdapterNotFoundError, CheckpointWriteError, InvalidInputError
-from .host import Example, ForwardJob, ForwardResult, ModelHost
+from .host import Example, ForwardJob, ForwardResult, ModelHost, merge_results
 from .lora import LORA_ALPHA, LoraConfig
 from .optim import AdamConfig
 from .sampler import SampleRequest, SampleResult, SamplingConfig
@@ -13,6 +13,6 @@ __all__ = [
     "DEFAULT_MODEL", "TINY_LLAMA", "TINY_QWEN3", "Catalog", "ModelNotAvailableError",
     "resolve_device", "resolve_dtype",
     "AdapterNotFoundError", "CheckpointWriteError", "Example", "ForwardJob", "ForwardResult", "InvalidInputError",
-    "ModelHost", "LORA_ALPHA", "LoraConfig", "AdamConfig", "SampleRequest", "SampleResult",
+    "ModelHost", "merge_results", "LORA_ALPHA", "LoraConfig", "AdamConfig", "SampleRequest", "SampleResult",
     "SamplingConfig",
 ]

@@ -34,7 +34,7 @@ from .optim import AdamConfig, AdamState, adamw_step
 
 __all__ = [
     "DTYPES", "AdapterNotFoundError", "Adapter", "Example", "ForwardJob", "ForwardResult",
-    "InvalidInputError", "ModelHost", "split_by_length",
+    "InvalidInputError", "ModelHost", "merge_results", "split_by_length",
 ]
 
 
@@ -60,7 +60,30 @@ class ForwardJob:
 class ForwardResult:
     logprobs: list[list[float]]  # per datum, per target token
     elementwise_loss: list[list[float]]
-    metrics: dict[str, float]
+    metrics: dict[str, float]  # "loss:sum", and each loss metric's "<name>:mean" over ``active_tokens``
+    active_tokens: float = 0.0  # tokens of non-zero weight: what the ":mean" metrics average over
+
+
+def merge_results(parts: list[ForwardResult]) -> ForwardResult:
+    """One job's result from the results of its data's consecutive parts, run separately.
+
+    Exact, as the metrics are made in ``ModelHost._collect``: per-datum outputs are
+    concatenated in order, ``:sum`` metrics add, and each ``:mean`` is re-weighted by its
+    part's ``active_tokens`` (a part without active tokens reports 0 and weighs nothing).
+    """
+    active = sum(p.active_tokens for p in parts)
+    metrics: dict[str, float] = {}
+    for part in parts:
+        for name, value in part.metrics.items():
+            weight = part.active_tokens if name.endswith(":mean") else 1.0
+            metrics[name] = metrics.get(name, 0.0) + value * weight
+    metrics = {k: v / max(active, 1.0) if k.endswith(":mean") else v for k, v in metrics.items()}
+    return ForwardResult(
+        logprobs=[lp for p in parts for lp in p.logprobs],
+        elementwise_loss=[loss for p in parts for loss in p.elementwise_loss],
+        metrics=metrics,
+        active_tokens=active,
+    )
 
 
 @dataclass
@@ -115,6 +138,8 @@ class ModelHost:
         self.max_batch_tokens = max_batch_tokens
         self.adapters: dict[str, Adapter] = {}
         self.lock = threading.RLock()  # one engine call at a time per host
+        # key -> an adapter's grads as they were (hold_grads), until release_grads
+        self.held_grads: dict[str, tuple[str, dict[str, torch.Tensor | None]]] = {}
 
     # -- adapters ---------------------------------------------------------------------
 
@@ -299,6 +324,20 @@ class ModelHost:
             for name, p in self.adapter_params(adapter_id).items():
                 p.grad = grads[name]
 
+    def hold_grads(self, key: str, adapter_id: str) -> None:
+        """Keep a copy of an adapter's grads under ``key``, to go back to them if what follows
+        fails (a request run as several passes). Held until ``release_grads(key)``."""
+        with self.lock:
+            self.held_grads[key] = (adapter_id, self._save_grads([ForwardJob(adapter_id, [])])[adapter_id])
+
+    def release_grads(self, key: str, restore: bool) -> None:
+        """Forget the grads held under ``key``, first putting them back if ``restore``.
+        An unknown key (never held, or lost with a restarted process) does nothing."""
+        with self.lock:
+            held = self.held_grads.pop(key, None)
+            if restore and held is not None:
+                self._restore_grads({held[0]: held[1]})
+
     def _run(self, jobs: list[ForwardJob], backward: bool) -> list[ForwardResult]:
         rows = [(j, i) for j, job in enumerate(jobs) for i in range(len(job.examples))]
         outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, dict]] = {}
@@ -412,6 +451,7 @@ class ModelHost:
             logprobs=[lp.tolist() for lp, _, _ in per_datum],
             elementwise_loss=[loss.tolist() for _, loss, _ in per_datum],
             metrics=metrics,
+            active_tokens=active,
         )
 
     # -- optimizer ----------------------------------------------------------------------

@@ -14,7 +14,8 @@
     GET  /console                     the web console (static; its calls carry the key)
 
 Errors are ``{"error": {"category", "message"}}`` with a 4xx/5xx status; malformed
-JSON and wrong types get a 4xx naming the field, never a 500.
+JSON and wrong types get a 4xx naming the field, never a 500. A submit past a queue
+bound is a 429 with ``Retry-After`` (``Limits.max_pending_*``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pytrio.errors import describe_validation_error
 
 from .auth import authenticate
 from .core import ServiceCore, ServiceError
+from .errors import retry_after_headers
 
 log = logging.getLogger("trio.server")
 
@@ -56,7 +58,7 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
 
     @app.exception_handler(ServiceError)
     async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
-        return _error(exc.status, exc.category, exc.message)
+        return _error(exc.status, exc.category, exc.message, retry_after_headers(exc.retry_after))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -212,5 +214,5 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-def _error(status: int, category: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"category": category, "message": message}}, status_code=status)
+def _error(status: int, category: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"category": category, "message": message}}, status_code=status, headers=headers)

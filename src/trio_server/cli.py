@@ -12,6 +12,7 @@ Heavy imports (uvicorn, the app, torch via the core) wait until a command runs, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -22,7 +23,8 @@ from typing import Any
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ENGINES = ("local", "ray")
-_LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_per_user")
+_LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_per_user", "max_pending_per_user",
+                "max_pending_total", "max_batch_tokens", "max_pass_tokens")
 
 
 def _data_dir(value: str | None) -> Path:
@@ -87,6 +89,16 @@ def fix_mmap_threshold() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
+def limits_from(args: argparse.Namespace) -> Any:
+    """The service's ``Limits``: the defaults, overridden by the flags given."""
+    from .core import Limits
+
+    limits = Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS if getattr(args, name) is not None})
+    if limits.max_pass_tokens == 0:  # 0: never split a request
+        limits = dataclasses.replace(limits, max_pass_tokens=None)
+    return limits
+
+
 def serve(args: argparse.Namespace) -> None:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):  # before the slow imports
         sys.exit("trio serve: --ssl-certfile and --ssl-keyfile go together (got only one)")
@@ -94,7 +106,7 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from .app import create_app
-    from .core import Limits, ServiceCore
+    from .core import ServiceCore
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     log = logging.getLogger("trio.server")
@@ -103,9 +115,8 @@ def serve(args: argparse.Namespace) -> None:
         log.warning("AUTHENTICATION IS OFF (--no-auth): anyone who reaches %s:%d acts as one", args.host, args.port)
         log.warning("shared user. Use this for localhost development only.")
         log.warning("=" * 72)
-    limits = Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS if getattr(args, name) is not None})
     core = ServiceCore(
-        _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits,
+        _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits_from(args),
         engine=args.engine, ray_address=args.ray_address, device=args.device,
         ray_placement=dict(args.ray_place or []),
     )
@@ -263,6 +274,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-checkpoint-bytes-per-user", type=int, metavar="BYTES",
                    help="quota: checkpoint bytes per API key; a save is refused once a user holds this many "
                         "(default none)")
+    p.add_argument("--max-pending-per-user", type=int, metavar="N",
+                   help="queue bound: requests of one API key accepted and not yet finished; past it a submit "
+                        "gets 429 with Retry-After (default 256)")
+    p.add_argument("--max-pending-total", type=int, metavar="N",
+                   help="queue bound: requests of all users accepted and not yet finished (default 4096)")
+    p.add_argument("--max-batch-tokens", type=int, metavar="N",
+                   help="scheduler: tokens one forward/forward_backward/sample batch may hold; a single larger "
+                        "request runs alone (default 8192)")
+    p.add_argument("--max-pass-tokens", type=int, metavar="N",
+                   help="scheduler: a forward/forward_backward request over N tokens runs as several passes of at "
+                        "most N tokens, so other users' steps go between them; 0: never split (default 64; raise it on a GPU)")
     p.add_argument("--device", type=device, default=os.environ.get("TRIO_DEVICE") or "auto",
                    help="auto|cpu|cuda|cuda:N; auto picks CUDA when available (default $TRIO_DEVICE or auto)")
     p.add_argument("--ssl-certfile", metavar="PEM", help="serve HTTPS with this certificate (chain); needs --ssl-keyfile")

@@ -20,7 +20,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from pytrio.errors import describe_validation_error
 
 from . import checkpoints as ckpt
 from .engine import Engine, EngineSettings, LocalEngine
-from .errors import RESTART_MESSAGE, ServiceError, not_found
+from .errors import RESTART_MESSAGE, ServiceError, not_found, over_capacity
 from .handlers import Context, remove_checkpoint
 from .queueing import QueueInfo, describe
 from .scheduler import WorkItem
@@ -61,6 +61,15 @@ class Limits:
     (ephemeral sampler weights included) already hold that many bytes. A checkpoint's size
     is known only once written, so the last save allowed may overshoot by its own size.
     Ephemeral saves are not refused: they are bounded by ``ephemeral_samplers_per_run``.
+
+    Queue bounds (None: none): ``max_pending_per_user`` and ``max_pending_total`` count
+    requests accepted and not yet finished (queued or running). A submit past either is
+    refused with 429 and ``Retry-After: retry_after_seconds`` before anything changes, so
+    what was accepted is never dropped to make room. ``max_batch_tokens`` is the
+    scheduler's token budget per batch (see ``scheduler.py``); a forward or
+    forward_backward request over ``max_pass_tokens`` runs as several passes of at most
+    that many tokens, so no user waits long for another's pass (see ``splitting.py``;
+    None: never split).
     """
 
     max_tokens_per_request: int = 131_072
@@ -73,6 +82,11 @@ class Limits:
     ephemeral_samplers_per_run: int = 8  # unnamed sampler weights a run keeps (older ones are removed)
     max_runs_per_user: int | None = None
     max_checkpoint_bytes_per_user: int | None = None
+    max_pending_per_user: int | None = 256
+    max_pending_total: int | None = 4096
+    retry_after_seconds: float = 1.0
+    max_batch_tokens: int = 8192
+    max_pass_tokens: int | None = 64  # benchmarks/fairness.py: 64 meets its target on a 2-core CPU, 128 did not
 
 
 @dataclass
@@ -161,6 +175,8 @@ class ServiceCore:
         self.next_seq: dict[str, int] = {}
         self.finished: deque[tuple[float, str, str | None]] = deque()  # (when, request id, idempotency key)
         self.arrivals = itertools.count()
+        self.pending_by_user: Counter[str] = Counter()  # accepted, unfinished requests (queue bounds)
+        self.unfinished: set[str] = set()  # their request ids
         self._recover()
 
     # -- start-up ---------------------------------------------------------------------
@@ -209,6 +225,7 @@ class ServiceCore:
         with self.lock:
             if idempotency_key and (existing := self._idempotent(user_id, idempotency_key)):
                 return existing  # a concurrent retry registered it meanwhile
+            self._check_capacity(user_id)
             if item.run_id is not None and item.seq is not None:
                 self._check_seq(item)
             if rejection is None:
@@ -225,6 +242,7 @@ class ServiceCore:
             item.arrival = next(self.arrivals)
             self.futures[item.request_id] = concurrent.futures.Future()
             self.owners[item.request_id] = user_id
+            self._count_pending(item.request_id, user_id)
             if idempotency_key:
                 self.idempotency[(user_id, idempotency_key)] = item.request_id
                 item.context["idempotency_key"] = idempotency_key
@@ -300,6 +318,7 @@ class ServiceCore:
     def _unregister(self, request_id: str) -> None:
         with self.lock:
             self.futures.pop(request_id, None)
+            self._uncount_pending(request_id)
             user_id = self.owners.pop(request_id, None)
             for key, rid in list(self.idempotency.items()):
                 if rid == request_id and key[0] == user_id:
@@ -417,6 +436,31 @@ class ServiceCore:
             used = sum(r["size_bytes"] or 0 for r in self.store.select(checkpoints_table, user_id=item.user_id))
             _quota("max_checkpoint_bytes_per_user", "checkpoint bytes", used, lim.max_checkpoint_bytes_per_user)
 
+    def _check_capacity(self, user_id: str) -> None:
+        """Called under ``self.lock``, before anything changes: 429 when the user's or the
+        service's pending requests are at their bound. (A retry of an accepted request never
+        gets here: its idempotency key answered first.)"""
+        lim = self.limits
+        mine, total = self.pending_by_user[user_id], len(self.unfinished)
+        if lim.max_pending_per_user is not None and mine >= lim.max_pending_per_user:
+            raise over_capacity("max_pending_per_user", "requests of this user", mine, lim.max_pending_per_user,
+                                lim.retry_after_seconds)
+        if lim.max_pending_total is not None and total >= lim.max_pending_total:
+            raise over_capacity("max_pending_total", "requests", total, lim.max_pending_total, lim.retry_after_seconds)
+
+    def _count_pending(self, request_id: str, user_id: str) -> None:
+        self.unfinished.add(request_id)
+        self.pending_by_user[user_id] += 1
+
+    def _uncount_pending(self, request_id: str) -> None:
+        """Under ``self.lock``: the request finished (or was never queued)."""
+        if request_id in self.unfinished:
+            self.unfinished.discard(request_id)
+            user_id = self.owners.get(request_id, "")
+            self.pending_by_user[user_id] -= 1
+            if self.pending_by_user[user_id] <= 0:
+                del self.pending_by_user[user_id]
+
     def _check_limits(self, item: WorkItem) -> None:
         self._check_quotas(item)
         req, lim = item.request, self.limits
@@ -446,7 +490,8 @@ class ServiceCore:
                               self.limits.ephemeral_samplers_per_run)
                 order = Sequencing(self.next_seq, self.lock, self.limits.seq_gap_seconds)
                 self.workers[base_model] = HostWorker(ctx, lambda item, r: self.resolve(item, *r), order,
-                                                      self.idle_offload_seconds)
+                                                      self.idle_offload_seconds, self.limits.max_batch_tokens,
+                                                      self.limits.max_pass_tokens)
             return self.workers[base_model]
 
     def _new_engine(self, base_model: str) -> Engine:
@@ -481,6 +526,8 @@ class ServiceCore:
                           item.request_id, item.run_id or "-", item.op)
         if result is not None and error is None:
             self._count_usage(item, result)
+        with self.lock:
+            self._uncount_pending(item.request_id)
         future = self.futures.get(item.request_id)
         if future is not None and not future.done():
             future.set_result(outcome)
@@ -527,6 +574,7 @@ class ServiceCore:
             supported_models=self.catalog.available(), max_tokens_per_request=lim.max_tokens_per_request,
             max_seq_len=lim.max_seq_len, max_batch_size=lim.max_batch_size, max_lora_rank=lim.max_lora_rank,
             max_runs_per_user=lim.max_runs_per_user, max_checkpoint_bytes_per_user=lim.max_checkpoint_bytes_per_user,
+            max_pending_per_user=lim.max_pending_per_user, max_pending_total=lim.max_pending_total,
         )
 
     def tokenizer_files(self, base_model: str) -> t.TokenizerFiles:

@@ -1,10 +1,15 @@
 """One worker thread per base model: schedule -> execute -> resolve, over one engine.
 
-The worker owns its queue. ``scheduler.next_batch`` (pure) picks what runs next,
+The worker owns its queue and the fair-queueing state between users.
+``scheduler.next_batch`` (pure) picks what runs next, ``scheduler.charge`` bills it,
 ``handlers.execute`` runs it on the engine, and the core's ``resolve`` stores each
-outcome and wakes its waiters. When idle, the worker lets runs whose client went
-quiet leave memory (``Engine.offload``), and lets a run continue past a sequence
-number that never arrived.
+outcome and wakes its waiters. A large forward or forward_backward request is queued
+one part at a time (``splitting.py``): after each part the worker queues the next (due
+by its user's tag, so other users may go first), and resolves the request once, when
+its last part is done or one failed (``handlers.finish_split`` then merges the parts'
+results, or rolls the run's grads back to before the first part). When idle, the
+worker lets runs whose client went quiet leave memory (``Engine.offload``), and lets a
+run continue past a sequence number that never arrived.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import ServiceError
-from .handlers import Context, Result, execute
+from .handlers import Context, Result, execute, finish_split
 from .queueing import OpDurations, QueueInfo, estimate_start
-from .scheduler import WorkItem, next_batch, stalled_runs
+from .scheduler import Fairness, WorkItem, charge, next_batch, stalled_runs
+from .splitting import Split, maybe_split, merge_elapsed, split_of
 
 log = logging.getLogger("trio.server")
 
@@ -34,7 +40,8 @@ class Sequencing:
 
 class HostWorker:
     def __init__(self, ctx: Context, resolve: Callable[[WorkItem, Result], None], order: Sequencing,
-                 idle_offload_seconds: float):
+                 idle_offload_seconds: float, max_batch_tokens: int | None = None,
+                 max_pass_tokens: int | None = None):
         self.ctx = ctx
         self.engine = ctx.engine
         self.resolve = resolve
@@ -49,10 +56,17 @@ class HostWorker:
         self.queued_at: dict[str, float] = {}  # request id -> when it was queued
         self.durations = OpDurations()  # recent batch times per op, for queue estimates
         self.batch_started = 0.0  # when the running batch started (monotonic)
+        self.max_batch_tokens = max_batch_tokens
+        self.max_pass_tokens = max_pass_tokens  # larger forward(_backward) requests run in parts (splitting.py)
+        self.fair = Fairness()  # fair queueing between users (scheduler.py), advanced per batch
         self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{ctx.base_model}", daemon=True)
         self.thread.start()
 
     def enqueue(self, item: WorkItem) -> None:
+        """Queue a request: itself, or its first part if it is to run in parts."""
+        self._queue(maybe_split(item, self.max_pass_tokens))
+
+    def _queue(self, item: WorkItem) -> None:
         with self.cond:
             self.queued_at[item.request_id] = time.monotonic()
             self.pending.append(item)
@@ -101,10 +115,29 @@ class HostWorker:
                     if run_id is not None:
                         self.last_used[run_id] = time.monotonic()
                 for item, result in zip(batch, results):
-                    self.resolve(item, result)
+                    split = split_of(item)
+                    if split is None:
+                        self.resolve(item, result)
+                    else:
+                        self._part_done(split, result)
             finally:
                 with self.cond:
                     self.running.difference_update(i.request_id for i in batch)
+
+    def _part_done(self, split: Split, result: Result) -> None:
+        """Queue the request's next part, or resolve the request: all parts done, or one failed."""
+        merge_elapsed(result[0], split)
+        error = result[1]
+        if error is None and not split.last:
+            split.index += 1
+            self._queue(split.part())  # due by its user's tag, like any request: others may go first
+            return
+        try:
+            outcome = finish_split(self.ctx, split, error)
+        except Exception as exc:  # a bug merging must fail this request, not end the thread
+            log.exception("request=%s: unexpected error finishing its parts", split.whole.request_id)
+            outcome = (None, ServiceError("server", f"internal error merging parts: {type(exc).__name__}: {exc}", 500))
+        self.resolve(split.whole, outcome)
 
     def _execute(self, batch: list[WorkItem]) -> list[Result]:
         """``execute``, except that a bug escaping it fails this batch's requests with a server
@@ -122,10 +155,11 @@ class HostWorker:
         with self.cond:
             if self._stopped:
                 return None
-            batch = next_batch(self.pending, self.order.next_seq)
+            batch = self._next_batch()
             if not batch:
                 self.cond.wait(timeout=1.0)
-                batch = next_batch(self.pending, self.order.next_seq)
+                batch = self._next_batch()
+            self.fair = charge(self.fair, batch)
             for item in batch:
                 self.pending.remove(item)
                 self.queued_at.pop(item.request_id, None)
@@ -133,6 +167,10 @@ class HostWorker:
             if batch:
                 self.running_op, self.batch_started = batch[0].op, time.monotonic()
             return batch
+
+    def _next_batch(self) -> list[WorkItem]:
+        return next_batch(self.pending, self.order.next_seq, max_tokens=self.max_batch_tokens, fair=self.fair,
+                          max_pass_tokens=self.max_pass_tokens)
 
     def _skip_missing_seqs(self) -> None:
         with self.cond:

@@ -172,11 +172,24 @@ def test_two_submits_carry_different_keys(clock):
     assert transport.executed == ["req-0", "req-1"]
 
 
-def test_backoff_grows_and_is_capped(clock):
+def test_backoff_grows_and_is_capped(clock, monkeypatch):
+    monkeypatch.setattr(session_mod, "random", SimpleNamespace(random=lambda: 0.0))  # no jitter
     optim_step(FlakyTransport(refused=12))
     assert len(clock.sleeps) == 12
     assert all(0 < s <= 2.0 for s in clock.sleeps)
     assert clock.sleeps == sorted(clock.sleeps) and clock.sleeps[-1] > clock.sleeps[0]
+
+
+def test_backoff_honours_retry_after_caps_it_and_jitter_only_stretches_it():
+    from pytrio.session import JITTER, MAX_BACKOFF_SECONDS, MAX_RETRY_AFTER_SECONDS, backoff_seconds
+
+    assert [backoff_seconds(k, None, 0.0) for k in range(3)] == [0.1, 0.2, 0.4]
+    assert backoff_seconds(40, None, 0.0) == MAX_BACKOFF_SECONDS
+    assert backoff_seconds(0, 7.0, 0.0) == 7.0  # Retry-After, not the exponential step
+    assert backoff_seconds(0, 1e6, 0.0) == MAX_RETRY_AFTER_SECONDS
+    assert backoff_seconds(0, -3.0, 0.5) == 0.0
+    assert backoff_seconds(2, None, 0.999) == pytest.approx(0.4 * (1 + JITTER * 0.999))
+    assert backoff_seconds(0, 7.0, 0.5) == 7.0 * (1 + JITTER * 0.5)
 
 
 def test_submit_gives_up_after_the_reconnect_window(clock, monkeypatch):
@@ -186,7 +199,7 @@ def test_submit_gives_up_after_the_reconnect_window(clock, monkeypatch):
     with pytest.raises(trio.ConnectionError, match="connection refused") as err:
         optim_step(transport)
     waited = clock.now - start
-    assert 5.0 < waited <= 5.0 + 2.0  # the whole window, plus at most one backoff step
+    assert waited == pytest.approx(5.0)  # the whole window: the last wait ends at the deadline, for one last try
     assert len(transport.attempts) > 2 and len(set(keys(transport))) == 1
     assert err.value.request_id is None  # the service never assigned one
     assert transport.executed == []
@@ -328,7 +341,35 @@ def test_a_submit_waits_as_long_as_retry_after_says(clock):
     busy.retry_after = 7.0
     transport = Refusing([busy])
     optim_step(transport)
-    assert clock.sleeps == [7.0]
+    assert len(clock.sleeps) == 1 and 7.0 <= clock.sleeps[0] <= 7.0 * (1 + session_mod.JITTER)
+
+
+def test_a_submit_over_capacity_until_the_deadline_raises_capacity_error_naming_the_call(clock, monkeypatch):
+    monkeypatch.setattr(session_mod, "RECONNECT_SECONDS", 10.0)
+    refusals = []
+    for _ in range(100):
+        busy = trio.CapacityError("capacity max_pending_per_user: 1 requests of this user pending, the limit is 1",
+                                  status_code=429)
+        busy.retry_after = 3.0
+        refusals.append(busy)
+    transport = Refusing(refusals)
+    start = clock.now
+    with pytest.raises(trio.CapacityError, match=r"optim_step: gave up after 4 tries over 10 s: capacity "
+                                                  r"max_pending_per_user: .* the limit is 1") as err:
+        optim_step(transport)
+    assert clock.now - start == pytest.approx(10.0)  # 3 waits of 3-3.75 s, the last cut to the deadline
+    assert all(3.0 <= s <= 3.75 for s in clock.sleeps[:-1]) and len(clock.sleeps) == 3
+    assert err.value.status_code == 429 and err.value.request_id is None
+    assert len(set(keys(transport))) == 1 and transport.executed == []
+
+
+def test_a_retry_after_beyond_the_deadline_is_cut_to_it_and_the_submit_tried_once_more(clock, monkeypatch):
+    monkeypatch.setattr(session_mod, "RECONNECT_SECONDS", 5.0)
+    busy = trio.CapacityError("queue full", status_code=429)
+    busy.retry_after = 25.0
+    transport = Refusing([busy])
+    assert optim_step(transport).metrics == {"step": 1.0}
+    assert clock.sleeps == [pytest.approx(5.0)] and transport.executed == ["req-0"]
 
 
 def test_a_submit_refused_for_good_gives_up_after_the_window(clock, monkeypatch):

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from trio_server.cli import build_parser, listen
+from trio_server.cli import build_parser, limits_from, listen
 
 
 def test_listening_socket_reports_its_port_and_disables_nagle():
@@ -23,6 +23,17 @@ def test_serve_flags():
     args = build_parser().parse_args(["serve", "--engine", "ray", "--device", "cuda:1",
                                       "--ray-place", "org/model=gpu_a100", "--ray-place", "m2=x"])
     assert (args.engine, args.device, args.ray_place) == ("ray", "cuda:1", [("org/model", "gpu_a100"), ("m2", "x")])
+
+
+def test_max_pass_tokens_flag_and_zero_for_never_split():
+    from trio_server.core import Limits
+
+    def limits(*argv: str) -> Limits:
+        return limits_from(build_parser().parse_args(["serve", *argv]))
+
+    assert limits().max_pass_tokens == Limits().max_pass_tokens is not None
+    assert limits("--max-pass-tokens", "96", "--max-batch-tokens", "512").max_pass_tokens == 96
+    assert limits("--max-pass-tokens", "0").max_pass_tokens is None
 
 
 @pytest.mark.parametrize("argv", [["--device", "gpu"], ["--device", "cuda:x"], ["--engine", "spark"],

@@ -339,3 +339,44 @@ def test_the_worker_is_a_named_daemon_thread(tmp_path):
     thread = core.workers[MODEL].thread
     assert (thread.name, thread.daemon) == (f"trio-worker-{MODEL}", True)
     core.close()
+
+
+def test_a_submit_past_a_queue_bound_is_refused_before_anything_changes_and_a_retry_still_answers(tmp_path):
+    from pytrio import types as t
+    from trio_server.errors import ServiceError
+    from trio_server.store import requests as requests_table
+
+    core = ServiceCore(tmp_path, dtype="float32", limits=Limits(max_pending_per_user=1, max_pending_total=2,
+                                                                retry_after_seconds=2.5))
+    caps = core.capabilities()
+    assert (caps.max_pending_per_user, caps.max_pending_total) == (1, 2)
+    runs = {u: trio.ServiceClient(transport=LocalTransport(core, u)).create_lora_training_client(base_model=MODEL, rank=2)
+            for u in "abc"}
+    toks = list(range(1, 9))
+    d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+
+    def forward(user: str, seq: int = 0) -> t.ForwardRequest:
+        return t.ForwardRequest(model_id=runs[user].model_id, seq=seq, data=[d])
+
+    worker = core.workers[MODEL]
+    with worker.engine.host.lock:  # the worker stays busy with a's first request
+        held = core.submit("a", "forward", forward("a"), "key-a")
+        wait_until(lambda: bool(worker.running), "a's request to run")
+        rows = len(core.store.select(requests_table))
+        with pytest.raises(ServiceError) as refused:
+            core.submit("a", "forward", forward("a", 1), "key-a2")
+        assert (refused.value.status, refused.value.category, refused.value.retry_after) == (429, "capacity", 2.5)
+        assert "max_pending_per_user: 1 requests of this user pending, the limit is 1" in refused.value.message
+        assert core.submit("a", "forward", forward("a"), "key-a") == held  # a retry of an accepted one: its id
+        queued = core.submit("b", "forward", forward("b"), "key-b")  # b has its own bound
+        with pytest.raises(ServiceError, match="max_pending_total: 2 requests pending, the limit is 2") as full:
+            core.submit("c", "forward", forward("c"), "key-c")
+        assert full.value.status == 429
+        assert len(core.store.select(requests_table)) == rows + 1  # only b's; nothing of the refused
+        assert len(worker.snapshot()) == 1 and core.request_for_key("a", "key-a2") is None
+    for request_id, user in ((held, "a"), (queued, "b")):  # nothing accepted was dropped
+        wait_until(lambda r=request_id, u=user: core._stored_outcome(u, r).status == "done", "the held requests")
+    wait_until(lambda: not core.unfinished, "the counts to drain")
+    assert core.pending_by_user == {}
+    assert core.submit("c", "forward", forward("c"), "key-c")  # room again
+    core.close()

@@ -117,4 +117,6 @@ def _mapped_errors() -> Iterator[None]:
     try:
         yield
     except ServiceError as exc:
-        raise error_from_category(exc.category, exc.message, status=exc.status) from None
+        error = error_from_category(exc.category, exc.message, status=exc.status)
+        error.retry_after = exc.retry_after
+        raise error from None
