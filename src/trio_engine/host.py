@@ -285,7 +285,7 @@ class ModelHost:
         for job in jobs:
             self.validate_job(job)
         with self.lock:
-            saved = self._save_grads(jobs) if backward else {}
+            saved = self._save_grads(_adapters_of(jobs)) if backward else {}
             try:
                 results = self._run(jobs, backward)
                 failed = any(backward and _non_finite(job, r) for job, r in zip(jobs, results))
@@ -303,7 +303,7 @@ class ModelHost:
 
     def _alone(self, job: ForwardJob, backward: bool) -> ForwardResult | Exception:
         """One job on its own; on failure its grads are left as they were and it gets its error."""
-        saved = self._save_grads([job]) if backward else {}
+        saved = self._save_grads(_adapters_of([job])) if backward else {}
         try:
             [result] = self._run([job], backward)
             error: Exception | None = _non_finite(job, result) if backward else None
@@ -314,10 +314,10 @@ class ModelHost:
         self._restore_grads(saved)
         return error
 
-    def _save_grads(self, jobs: list[ForwardJob]) -> dict[str, dict[str, torch.Tensor | None]]:
-        ids = {job.adapter_id for job in jobs if job.adapter_id is not None}
+    def _save_grads(self, adapter_ids: set[str]) -> dict[str, dict[str, torch.Tensor | None]]:
+        """A copy of each adapter's grads (None where there are none), for ``_restore_grads``."""
         return {a: {n: None if p.grad is None else p.grad.clone() for n, p in self.adapter_params(a).items()}
-                for a in ids}
+                for a in adapter_ids}
 
     def _restore_grads(self, saved: dict[str, dict[str, torch.Tensor | None]]) -> None:
         for adapter_id, grads in saved.items():
@@ -328,7 +328,7 @@ class ModelHost:
         """Keep a copy of an adapter's grads under ``key``, to go back to them if what follows
         fails (a request run as several passes). Held until ``release_grads(key)``."""
         with self.lock:
-            self.held_grads[key] = (adapter_id, self._save_grads([ForwardJob(adapter_id, [])])[adapter_id])
+            self.held_grads[key] = (adapter_id, self._save_grads({adapter_id})[adapter_id])
 
     def release_grads(self, key: str, restore: bool) -> None:
         """Forget the grads held under ``key``, first putting them back if ``restore``.
@@ -595,6 +595,10 @@ def split_by_length(lengths: list[int], budget: int) -> list[int]:
         ends.append(k)
         k = cut[k]
     return ends[::-1]
+
+
+def _adapters_of(jobs: list[ForwardJob]) -> set[str]:
+    return {job.adapter_id for job in jobs if job.adapter_id is not None}
 
 
 def _non_finite(job: ForwardJob, result: ForwardResult) -> InvalidInputError | None:
