@@ -38,7 +38,7 @@ from . import checkpoints as ckpt
 from .engine import Engine, Failure, SampleJob, failure_from
 from .errors import ServiceError
 from .metrics import StepTotals
-from .scheduler import WorkItem
+from .scheduler import WorkItem, tokens
 from .splitting import Split, in_whole_request, split_of
 from .store import Store, now
 from .store import checkpoints as checkpoints_table
@@ -88,7 +88,7 @@ def execute(ctx: Context, batch: list[WorkItem]) -> list[Result]:
         if isinstance(result, t.ForwardBackwardOutput):
             result.elapsed_time = elapsed
         log.info("request=%s run=%s op=%s ms=%.0f tokens=%d status=%s", item.request_id, item.run_id or "-",
-                 item.op, elapsed, _tokens(item), "failed" if error else "done")
+                 item.op, elapsed, tokens(item), "failed" if error else "done")
         if error is not None and error.category == "server":  # ours, not the caller's: find it by request id
             log.error("request=%s run=%s op=%s server error: %s", item.request_id, item.run_id or "-", item.op,
                       error.message)
@@ -378,10 +378,3 @@ HANDLERS: dict[str, Callable[[Context, WorkItem], pydantic.BaseModel | None]] = 
 }
 
 
-def _tokens(item: WorkItem) -> int:
-    req = item.request
-    if isinstance(req, t.ForwardRequest):
-        return sum(d.model_input.length for d in req.data)
-    if isinstance(req, t.SampleRequest):
-        return req.prompt.length + req.num_samples * req.sampling_params.max_tokens
-    return 0
