@@ -198,9 +198,7 @@ class Store:
     def revoke_api_key(self, id_or_name: str) -> dict:
         """Revoke the one key whose id or name is ``id_or_name`` (KeyError: see find_api_key)."""
         key = self.find_api_key(id_or_name)
-        query = (api_keys.update().where(api_keys.c.key_hash.startswith(key["id"]))
-                 .values(revoked_at=key["revoked_at"] or now()))
-        self._transaction(lambda c: c.execute(query))
+        self._update_key(key, revoked_at=key["revoked_at"] or now())
         return key
 
     def set_budget(self, id_or_name: str, budget_tokens: int | None) -> dict:
@@ -210,9 +208,13 @@ class Store:
         runs, since the key was made); raising it lets a key that ran out work again.
         """
         key = self.find_api_key(id_or_name, action="set the budget")
-        query = api_keys.update().where(api_keys.c.key_hash.startswith(key["id"])).values(budget_tokens=budget_tokens)
-        self._transaction(lambda c: c.execute(query))
+        self._update_key(key, budget_tokens=budget_tokens)
         return key
+
+    def _update_key(self, key: dict, **values: Any) -> None:
+        """Set columns of one key, found as ``find_api_key`` returned it (by its hash's id prefix)."""
+        query = api_keys.update().where(api_keys.c.key_hash.startswith(key["id"])).values(**values)
+        self._transaction(lambda c: c.execute(query))
 
     def budget_of(self, user_id: str) -> int | None:
         """The token budget of this user's key (None: no key, as with --no-auth, or no limit)."""
