@@ -346,6 +346,9 @@ def test_a_submit_waits_as_long_as_retry_after_says(clock):
 
 def test_a_submit_over_capacity_until_the_deadline_raises_capacity_error_naming_the_call(clock, monkeypatch):
     monkeypatch.setattr(session_mod, "RECONNECT_SECONDS", 10.0)
+    # A fixed jitter (waits of 3 * 1.225 s): with random draws, three short waits can fit
+    # before the 10 s deadline and make a fifth try (about 4 runs in 10 failed that way).
+    monkeypatch.setattr(session_mod, "random", SimpleNamespace(random=lambda: 0.9))
     refusals = []
     for _ in range(100):
         busy = trio.CapacityError("capacity max_pending_per_user: 1 requests of this user pending, the limit is 1",
