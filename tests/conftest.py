@@ -52,3 +52,18 @@ def bundled_host():
     from trio_engine import DEFAULT_MODEL, ModelHost
 
     return ModelHost(DEFAULT_MODEL, dtype="float32")
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text",
+                                         "phi3", "cohere", "granite"])
+def family_host(request):
+    """A tiny random-init host of each model family (tests/engine/helpers.FAMILY_SOURCES)."""
+    from trio_engine import ModelHost
+
+    from .engine.helpers import FAMILY_SOURCES, TEST_CATALOG
+
+    if request.param == "llama":
+        return request.getfixturevalue("tiny_host")
+    if request.param == "qwen3":
+        return request.getfixturevalue("qwen_host")
+    return ModelHost(FAMILY_SOURCES[request.param].name, dtype="float32", catalog=TEST_CATALOG)

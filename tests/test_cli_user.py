@@ -146,6 +146,23 @@ def test_runs_list(world, capsys):
     assert code == 0 and not any(run_id in out for run_id, *_ in world.runs.values())
 
 
+def test_usage(world, capsys):
+    """``trio usage``: alice's runs, each with its trained tokens (6 steps of 3 examples);
+    bob, who trained nothing, sees only a zero total."""
+    code, out, _ = trio_cli(capsys, "usage", *world.alice)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["RUN", "TRAINED", "PREFILLED", "SAMPLED", "TOTAL"] and lines[-1] == "budget: no limit"
+    usage = world.service.create_rest_client().get_usage()
+    for run in usage.runs:
+        assert next(line for line in lines if line.startswith(run.run_id or "(base")).split()[-1] == f"{run.total:,}"
+    assert {r.run_id for r in usage.runs} >= {run_id for run_id, *_ in world.runs.values()}
+    assert lines[-2].split() == ["TOTAL", f"{usage.trained:,}", f"{usage.prefilled:,}", f"{usage.sampled:,}",
+                                 f"{usage.total:,}"] and usage.trained > 0
+    code, out, _ = trio_cli(capsys, "usage", *world.bob)
+    assert code == 0 and out.splitlines()[1].split() == ["TOTAL", "0", "0", "0", "0"]
+
+
 def test_checkpoints_list(world, capsys):
     run_id, sampler, state, _ = world.runs[(TINY, True)]
     code, out, _ = trio_cli(capsys, "checkpoints", "list", run_id, *world.alice)

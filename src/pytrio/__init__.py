@@ -42,6 +42,7 @@ from .types import (
     StepMetrics,
     TensorData,
     TrainingRun,
+    Usage,
 )
 
 APIFutureResult = APIFuture  # the name the user docs use
@@ -52,5 +53,6 @@ __all__ = [
     "ModelInput",
     "NotFoundError", "OptimStepResponse", "RestClient", "SampleResponse", "SampledSequence", "SamplingClient",
     "SamplingParams", "SaveWeightsForSamplerResponse", "SaveWeightsResponse", "ServerCapabilities", "ServerError",
-    "ServiceClient", "StepMetrics", "TensorData", "TimeoutError", "TrainingClient", "TrainingRun", "TrioError", "ValidationError",
+    "ServiceClient", "StepMetrics", "TensorData", "TimeoutError", "TrainingClient", "TrainingRun", "TrioError", "Usage",
+    "ValidationError",
 ]

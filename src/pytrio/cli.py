@@ -4,6 +4,7 @@
     trio checkpoints list [RUN]                 path, kind, size, created
     trio checkpoints download PATH [DEST]       the checkpoint as a .tar; resumes if interrupted
     trio checkpoints delete PATH
+    trio usage                                  tokens trained, prefilled, sampled: per run, total, budget
 
 They go through ``ServiceClient`` like any user program: ``--base-url`` (or
 ``$PYTRIO_BASE_URL``) with ``--api-key`` (or ``$PYTRIO_API_KEY``) reaches ``trio serve``;
@@ -103,6 +104,25 @@ def runs_list(args: argparse.Namespace) -> None:
     print(table(["RUN", "BASE MODEL", "RANK", "STEP", "CREATED (UTC)"], rows, right={2, 3}))
 
 
+def usage(args: argparse.Namespace) -> None:
+    """The key's token usage as a table: one row per run, a total, and the budget left."""
+    print(usage_table(connect(args).get_usage()))
+
+
+def usage_table(u: Any) -> str:
+    """``trio usage``'s text for a ``pytrio.Usage``."""
+    def row(name: str, r: Any) -> list[str]:
+        return [name, f"{r.trained:,}", f"{r.prefilled:,}", f"{r.sampled:,}", f"{r.total:,}"]
+
+    rows = [row(r.run_id or "(base model sampling)", r) for r in u.runs] + [row("TOTAL", u)]
+    text = table(["RUN", "TRAINED", "PREFILLED", "SAMPLED", "TOTAL"], rows, right={1, 2, 3, 4})
+    if u.budget_tokens is None:
+        return text + "\nbudget: no limit"
+    left = max(0, u.budget_tokens - u.total)
+    return text + f"\nbudget: {u.budget_tokens:,} tokens, {left:,} left" + (" (spent: new work is refused)"
+                                                                             if not left else "")
+
+
 def checkpoints_list(args: argparse.Namespace) -> None:
     rest = connect(args)
     try:
@@ -195,7 +215,7 @@ def when(timestamp: str) -> str:
 
 
 def add_commands(sub: Any) -> None:
-    """Add ``runs`` and ``checkpoints`` to the ``trio`` parser's subcommands ``sub``."""
+    """Add ``runs``, ``checkpoints`` and ``usage`` to the ``trio`` parser's subcommands ``sub``."""
     conn = connection_options()
 
     def command(parent: Any, name: str, func: Callable[[argparse.Namespace], None], help: str) -> Any:
@@ -218,3 +238,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p = command(csub, "delete", checkpoints_delete, "delete a checkpoint")
     p.add_argument("path", help="trio://<run-id>/<kind>/<name>")
+
+    p = sub.add_parser("usage", parents=[conn], help="your token usage: trained, prefilled, sampled; per run",
+                       description="Tokens your API key's successful requests processed, per run and in "
+                                   "total, and its budget. trained: forward_backward datum tokens; "
+                                   "prefilled: forward datum tokens and prompt tokens of sample and "
+                                   "compute_logprobs (once per request); sampled: generated tokens.")
+    p.set_defaults(func=usage)

@@ -1,4 +1,4 @@
-"""RestClient: the user's training runs and checkpoints."""
+"""RestClient: the user's training runs, checkpoints and token usage."""
 
 from __future__ import annotations
 
@@ -32,6 +32,25 @@ class RestClient:
         """
         return await on_background(self._transport.run_metrics(run_id))
 
+    async def get_usage_async(self) -> t.Usage:
+        """This API key's token usage: totals, one row per run, and its budget (None:
+        unlimited). ``trained``: forward_backward datum tokens; ``prefilled``: forward datum
+        tokens and sample/compute_logprobs prompt tokens (once per request); ``sampled``:
+        generated tokens. Only successful requests count.
+
+        Example:
+            >>> u = rest.get_usage(); print(u.total, u.budget_tokens)
+        """
+        return await on_background(self._transport.usage())
+
+    async def get_run_usage_async(self, run_id: str) -> t.RunUsage:
+        """One run's token usage, sampling from its saved weights included.
+
+        Raises:
+            NotFoundError: no such run of yours.
+        """
+        return await on_background(self._transport.run_usage(run_id))
+
     async def list_checkpoints_async(self, run_id: str) -> list[t.Checkpoint]:
         """Checkpoints of one run."""
         return await on_background(self._transport.list_checkpoints(run_id))
@@ -53,6 +72,8 @@ class RestClient:
     list_training_runs = sync_twin(list_training_runs_async)
     get_training_run = sync_twin(get_training_run_async)
     get_run_metrics = sync_twin(get_run_metrics_async)
+    get_usage = sync_twin(get_usage_async)
+    get_run_usage = sync_twin(get_run_usage_async)
     list_checkpoints = sync_twin(list_checkpoints_async)
     list_user_checkpoints = sync_twin(list_user_checkpoints_async)
     delete_checkpoint = sync_twin(delete_checkpoint_async)

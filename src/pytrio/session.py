@@ -1,22 +1,37 @@
 """The request cycle every operation shares: submit once (idempotently), then long-poll
 the future until it is done or failed, and map failures onto the SDK's errors.
-Pure of I/O details: the transport moves the bytes."""
+Pure of I/O details: the transport moves the bytes.
+
+A long wait is not silent: once a request has waited ``QUEUE_NOTICE_AFTER`` seconds
+while queued behind others, one line goes to the ``pytrio.queue`` logger, and again
+every ``QUEUE_NOTICE_EVERY`` seconds while it stays queued::
+
+    pytrio: request req-1f2e queued: position 3, starts in ~12 s (waited 10 s)
+
+It is logged at WARNING so that it shows with no logging set up (Python prints WARNING
+and above to stderr by default; pytrio installs no handler). Silence it with
+``logging.getLogger("pytrio.queue").setLevel(logging.ERROR)``. A request that is
+running, not queued, prints nothing.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import random
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from .errors import CapacityError, TrioError, error_from_category, is_transient
 from .errors import ConnectionError as TrioConnectionError
 from .errors import TimeoutError as TrioTimeoutError
-from .errors import TrioError, error_from_category, is_transient
 from .futures import on_background
 from .transport import Transport
 from .types import FutureResponse, load_tokenizer
@@ -25,6 +40,61 @@ R = TypeVar("R", bound=BaseModel)
 
 POLL_SECONDS = 30.0
 RECONNECT_SECONDS = 60.0
+QUEUE_NOTICE_AFTER = 10.0  # seconds of waiting before the first "queued" line
+QUEUE_NOTICE_EVERY = 30.0  # then at most one line per this many seconds
+
+queue_log = logging.getLogger("pytrio.queue")
+
+
+class QueueNotice:
+    """When to say where a waiting request stands, and what to say. Pure but for the clock.
+
+    ``poll_timeout`` shortens a long poll so that an answer comes back when a line is
+    due; ``line`` turns a pending answer into that line (None: not due, or not queued).
+    """
+
+    def __init__(self, request_id: str, clock: Callable[[], float],
+                 after: float = QUEUE_NOTICE_AFTER, every: float = QUEUE_NOTICE_EVERY):
+        self.request_id, self.clock, self.every = request_id, clock, every
+        self.started = clock()
+        self.due = self.started + after
+
+    def poll_timeout(self) -> float:
+        """How long the next long poll may wait: until the next line is due, at most POLL_SECONDS."""
+        return min(POLL_SECONDS, max(1.0, self.due - self.clock()))
+
+    def line(self, state: FutureResponse) -> str | None:
+        now = self.clock()
+        if now < self.due:
+            return None
+        self.due = now + self.every
+        if state.queue_position is None or state.queue_state == "running":
+            return None
+        eta = ("no start estimate yet" if state.starts_in_seconds is None
+               else f"starts in ~{state.starts_in_seconds:.0f} s")
+        return (f"pytrio: request {self.request_id} queued: position {state.queue_position}, {eta} "
+                f"(waited {now - self.started:.0f} s)")
+
+
+FIRST_BACKOFF_SECONDS = 0.1
+MAX_BACKOFF_SECONDS = 2.0  # exponential back-off stops growing here
+MAX_RETRY_AFTER_SECONDS = 30.0  # a longer Retry-After is waited only this long before asking again
+JITTER = 0.25  # each wait is stretched by up to this fraction, so refused clients do not return in step
+
+
+def backoff_seconds(attempt: int, retry_after: float | None, jitter: float) -> float:
+    """How long to wait before resubmitting after the ``attempt``-th refusal (0-based).
+
+    The service's ``Retry-After`` (capped at MAX_RETRY_AFTER_SECONDS) when it gave one,
+    else exponential back-off capped at MAX_BACKOFF_SECONDS; then stretched by
+    ``1 + JITTER * jitter`` (``jitter`` in [0, 1)), never shortened: a client never
+    comes back sooner than it was asked to.
+    """
+    if retry_after is not None:
+        base = min(max(retry_after, 0.0), MAX_RETRY_AFTER_SECONDS)
+    else:
+        base = min(MAX_BACKOFF_SECONDS, FIRST_BACKOFF_SECONDS * 2 ** min(attempt, 30))
+    return base * (1 + JITTER * jitter)
 
 
 class Session:
@@ -61,8 +131,11 @@ class Session:
         return await self._result(request_id, result_type)
 
     async def _result(self, request_id: str, result_type: type[R]) -> R:
+        notice = QueueNotice(request_id, time.monotonic)
         while True:
-            state = await self._retrieve(request_id)
+            state = await self._retrieve(request_id, notice.poll_timeout())
+            if state.status == "pending" and (line := notice.line(state)):
+                queue_log.warning(line)
             if state.status == "done":
                 return result_type.model_validate(state.result)
             if state.status == "failed":
@@ -70,13 +143,13 @@ class Session:
                 raise error_from_category(state.error.category, state.error.message, request_id,
                                           state.error.status_code)
 
-    async def _retrieve(self, request_id: str) -> FutureResponse:
-        """One long poll; rides out a service restart for up to RECONNECT_SECONDS."""
+    async def _retrieve(self, request_id: str, timeout: float = POLL_SECONDS) -> FutureResponse:
+        """One long poll (of ``timeout`` s); rides out a service restart for up to RECONNECT_SECONDS."""
         deadline = time.monotonic() + RECONNECT_SECONDS
         delay = 0.1
         while True:
             try:
-                return await self.transport.retrieve(request_id, POLL_SECONDS)
+                return await self.transport.retrieve(request_id, timeout)
             except (TrioConnectionError, TrioTimeoutError) as exc:
                 if time.monotonic() > deadline:
                     exc.request_id = request_id
@@ -88,20 +161,32 @@ class Session:
                 raise
 
     async def _submit(self, op: str, body: dict[str, Any]) -> str:
-        """Submit, retrying what may pass on its own (unreachable, 429, 5xx) for up to
-        RECONNECT_SECONDS: with exponential back-off, or as long as ``Retry-After`` asks.
-        Retries reuse one idempotency key, so a retried submit never runs twice."""
+        """Submit, retrying what may pass on its own (unreachable, 429, 5xx) until
+        RECONNECT_SECONDS have passed (``backoff_seconds`` apart; the last wait ends at
+        the deadline, for one last try). Retries reuse one idempotency key, so a retried
+        submit never runs twice, and one the service had accepted answers its request id.
+
+        Raises:
+            CapacityError: the service still refused it as over capacity at the deadline
+                (the message says which limit, how many tries and how long).
+        """
         key = uuid.uuid4().hex
-        deadline = time.monotonic() + RECONNECT_SECONDS  # ride out a service restart
-        delay = 0.1
+        started = time.monotonic()
+        deadline = started + RECONNECT_SECONDS  # ride out a service restart, or a full queue
+        attempt = 0
         while True:
             try:
                 return await self.transport.submit(op, body, key)
             except TrioError as exc:
-                if not is_transient(exc) or time.monotonic() > deadline:
+                left = deadline - time.monotonic()
+                if not is_transient(exc) or left <= 0:
+                    if isinstance(exc, CapacityError):
+                        exc.message = (f"{op}: gave up after {attempt + 1} tries over "
+                                       f"{time.monotonic() - started:.0f} s: {exc.message}")
+                        exc.args = (exc.message,)
                     raise
-                await asyncio.sleep(exc.retry_after if exc.retry_after is not None else delay)
-                delay = min(2.0, delay * 2)
+                await asyncio.sleep(min(left, backoff_seconds(attempt, exc.retry_after, random.random())))
+                attempt += 1
 
     async def tokenizer(self, base_model: str) -> Any:
         """A Hugging Face tokenizer from files the service provides (no model hub)."""

@@ -338,6 +338,39 @@ class ServerCapabilities(_Model):
     max_lora_rank: int
     max_runs_per_user: int | None = None  # per-user quotas; None: none
     max_checkpoint_bytes_per_user: int | None = None
+    max_pending_per_user: int | None = None  # queue bounds: accepted, unfinished requests; None: none
+    max_pending_total: int | None = None
+
+
+class TokenUsage(_Model):
+    """Tokens the service processed for successful requests (a failed one counts nothing).
+
+    trained    forward_backward: every datum's ``model_input`` tokens
+    prefilled  forward: every datum's tokens (a pass without gradients);
+               sample and compute_logprobs: the prompt's tokens, once per request (the
+               prompt is prefilled once and shared by its ``num_samples``)
+    sampled    sample: the tokens generated, all sequences together
+    total      trained + prefilled + sampled: what a key's budget counts
+    """
+
+    trained: int = 0
+    prefilled: int = 0
+    sampled: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.trained + self.prefilled + self.sampled
+
+
+class RunUsage(TokenUsage):
+    run_id: str | None  # None: sampling from a base model (a sampler of no run)
+
+
+class Usage(TokenUsage):
+    """The caller's usage: totals, per-run rows, and the key's budget (None: unlimited)."""
+
+    budget_tokens: int | None = None
+    runs: list[RunUsage] = Field(default_factory=list)
 
 
 class Checkpoint(_Model):
@@ -566,7 +599,11 @@ class FutureResponse(_Model):
     status: Literal["done", "failed", "pending"]
     result: dict[str, Any] | None = None
     error: ErrorInfo | None = None
-    queue_state: str | None = None
+    queue_state: str | None = None  # pending: "running" or "queued (position N)"
+    # pending and queued: how many requests of its model host run before it, and when it
+    # should start, in seconds from now (None: no estimate yet). See trio_server/queueing.py.
+    queue_position: int | None = None
+    starts_in_seconds: float | None = None
 
 
 class SubmitResponse(_Model):

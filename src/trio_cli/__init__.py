@@ -1,7 +1,7 @@
 """The ``trio`` command: one parser over the subcommands of the three packages.
 
-    trio serve | keys create | tokenizers install       trio_server.cli: run and administer a service
-    trio runs list | checkpoints list|download|delete   pytrio.cli: a client of a service (no torch)
+    trio serve | keys create|list|revoke|budget | tokenizers install   trio_server.cli: run, administer
+    trio runs list | checkpoints list|download|delete | usage          pytrio.cli: a client (no torch)
     trio export PATH OUT [--merge]                      here: pytrio fetches, trio_engine converts
 
 This package sits above the three layers of DESIGN.md section 2: it is the one place that

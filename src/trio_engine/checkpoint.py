@@ -11,19 +11,34 @@ adapter_model.safetensors) that peft, vLLM and others load as is.
 
 Checkpoints are device-independent: ``save_*`` writes CPU copies, ``load_*`` returns CPU
 tensors, and the host copies them onto its own device.
+
+Writes are atomic per folder (``write_folder``): the files go into a hidden sibling
+``.<name>.tmp-<pid>-<thread>``, are fsynced, and the folder is renamed into place. A
+folder cannot be renamed over a non-empty one, so replacing a checkpoint moves the old
+folder aside (``.<name>.old-<pid>-<thread>``), renames the new one in, then removes the
+old. A failed write (disk full, read-only, permission) removes the temporary folder,
+leaves the old checkpoint where it was, and raises ``CheckpointWriteError``. The one
+crash window is between the two renames: the name is briefly missing and the old folder
+sits under its ``.old-`` name; ``recover_folders`` (run at service start-up) renames it
+back and removes the temporary debris of interrupted writes.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from .errors import InvalidInputError
-from .lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, LoraConfig
+from .errors import CheckpointWriteError, InvalidInputError
+from .lora import LoraConfig
+from .model import ALL_ATTN, ALL_MLP, UNEMBED
 from .optim import AdamState
 
 FORMAT = "trio-training-state/1"
@@ -45,20 +60,30 @@ def save_training_state(
     optim: AdamState | None,
     base_model: str,
 ) -> None:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(_detached(params), folder / "adapter.safetensors")
+    """Write a training state folder atomically (see the module docstring).
+
+    Raises:
+        CheckpointWriteError: the folder could not be written; an old one is unchanged.
+    """
+    tensors = _detached(params)
+    moments: dict[str, torch.Tensor] | None = None
     if optim is not None:
-        moments = {f"exp_avg.{k}": v for k, v in optim.exp_avg.items()}
-        moments.update({f"exp_avg_sq.{k}": v for k, v in optim.exp_avg_sq.items()})
-        save_file(_detached(moments), folder / "optimizer.safetensors")
+        moments = _detached({f"exp_avg.{k}": v for k, v in optim.exp_avg.items()}
+                            | {f"exp_avg_sq.{k}": v for k, v in optim.exp_avg_sq.items()})
     meta = {
         "format": FORMAT,
         "base_model": base_model,
         "lora_config": asdict(config),
         "optimizer_step": optim.step if optim is not None else None,
     }
-    (folder / "trio_state.json").write_text(json.dumps(meta, indent=2))
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, tmp / "adapter.safetensors")
+        if moments is not None:
+            save_file(moments, tmp / "optimizer.safetensors")
+        (tmp / "trio_state.json").write_text(json.dumps(meta, indent=2))
+
+    write_folder(folder, fill)
 
 
 def load_training_state(folder: str | Path, with_optimizer: bool) -> TrainingState:
@@ -89,11 +114,13 @@ def load_training_state(folder: str | Path, with_optimizer: bool) -> TrainingSta
 def save_peft_adapter(
     folder: str | Path, params: dict[str, torch.Tensor], config: LoraConfig, base_model: str
 ) -> None:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write a PEFT adapter folder atomically (see the module docstring).
+
+    Raises:
+        CheckpointWriteError: the folder could not be written; an old one is unchanged.
+    """
     # "<module>.lora_A" -> "base_model.model.<module>.lora_A.weight", PEFT's key layout
     tensors = {f"{PEFT_PREFIX}{k}.weight": v for k, v in _detached(params).items()}
-    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -105,9 +132,15 @@ def save_peft_adapter(
         "fan_in_fan_out": False,
         "inference_mode": True,
         "use_rslora": False,
-        "target_modules": sorted(config.targets()),
+        # the layers the adapter really has (a family's own names, e.g. Phi-3's qkv_proj)
+        "target_modules": sorted({key.rsplit(".", 2)[-2] for key in params}),
     }
-    (folder / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+
+    write_folder(folder, fill)
 
 
 def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
@@ -116,9 +149,9 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
     targets = set(cfg["target_modules"])
     config = LoraConfig(
         rank=int(cfg["r"]),
-        train_attn=bool(targets & set(ATTN_TARGETS)),
-        train_mlp=bool(targets & set(MLP_TARGETS)),
-        train_unembed=bool(targets & set(UNEMBED_TARGETS)),
+        train_attn=bool(targets & set(ALL_ATTN)),
+        train_mlp=bool(targets & set(ALL_MLP)),
+        train_unembed=bool(targets & set(UNEMBED)),
         alpha=float(cfg["lora_alpha"]),
     )
     raw = load_file(folder / "adapter_model.safetensors", device="cpu")
@@ -131,3 +164,78 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
 def _detached(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous CPU copies, whatever device the tensors live on."""
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+
+
+# -- atomic folder writes ----------------------------------------------------------------
+
+TMP_TAG, OLD_TAG = ".tmp-", ".old-"
+
+
+def write_folder(folder: str | Path, fill: Callable[[Path], None]) -> None:
+    """``fill(tmp)`` writes the files into an empty temporary folder; then it becomes
+    ``folder``, replacing any folder of that name (see the module docstring).
+
+    Raises:
+        CheckpointWriteError: an OSError while writing or renaming; ``folder`` (if it
+            existed) is unchanged and the temporary folder is gone.
+    """
+    folder = Path(folder)
+    tag = f"{os.getpid()}-{threading.get_ident()}"
+    tmp = folder.with_name(f".{folder.name}{TMP_TAG}{tag}")
+    old = folder.with_name(f".{folder.name}{OLD_TAG}{tag}")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        fill(tmp)
+        for path in tmp.iterdir():
+            _fsync(path)
+        _fsync(tmp)
+        _swap_in(tmp, folder, old)
+        _fsync(folder.parent)
+    except OSError as exc:
+        raise CheckpointWriteError(str(folder), exc) from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap_in(new: Path, folder: Path, old: Path) -> None:
+    """Rename ``new`` to ``folder``; an existing ``folder`` goes aside to ``old`` first and
+    comes back if the second rename fails. ``old`` is removed only once ``new`` is in place."""
+    if not folder.exists():
+        new.rename(folder)
+        return
+    folder.rename(old)
+    try:
+        new.rename(folder)
+    except OSError:
+        old.rename(folder)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_folders(parent: str | Path) -> None:
+    """After a crash: in the checkpoint folders under ``parent`` (any depth), a ``.old-``
+    folder whose checkpoint is missing is renamed back (the crash fell between the two
+    renames); other ``.old-`` and all ``.tmp-`` folders are debris and are removed."""
+    for path in sorted(Path(parent).rglob(".*"), key=lambda p: len(p.parts)):
+        if not path.is_dir() or not path.exists():
+            continue
+        name = path.name[1:]
+        if OLD_TAG in name:
+            target = path.with_name(name.rsplit(OLD_TAG, 1)[0])
+            if target.exists():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.rename(target)
+        elif TMP_TAG in name:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a folder's (its entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

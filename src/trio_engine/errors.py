@@ -3,6 +3,8 @@ them without importing the host (which imports those modules)."""
 
 from __future__ import annotations
 
+import errno as errno_module
+
 
 class InvalidInputError(ValueError):
     """Bad request data. ``index`` is the datum index (or None), ``field`` the field."""
@@ -15,3 +17,16 @@ class InvalidInputError(ValueError):
 
 class AdapterNotFoundError(KeyError):
     """The adapter id names no adapter on this host."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint folder could not be written (disk full, read-only, ...). The previous
+    checkpoint of that name, if any, is unchanged. ``reason`` says why, e.g. "No space
+    left on device (ENOSPC)"; ``errno`` is the OS error number."""
+
+    def __init__(self, folder: str, cause: OSError):
+        code = errno_module.errorcode.get(cause.errno or 0, "")
+        self.errno = cause.errno
+        self.reason = f"{cause.strerror or cause}" + (f" ({code})" if code else "")
+        super().__init__(f"writing checkpoint folder {folder!r} failed: {self.reason}; "
+                         "the previous checkpoint of this name, if any, is unchanged")

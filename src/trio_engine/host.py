@@ -23,17 +23,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
 from . import checkpoint, lora, sampler
 from .catalog import DEFAULT_MODEL, Catalog, load_model_and_tokenizer
 from .device import DTYPES, resolve_device, resolve_dtype
 from .errors import AdapterNotFoundError, InvalidInputError
 from .losses import LOSSES, OPTIONAL_INPUTS
+from .model import Head, check_head, family_of, select_targets
 from .optim import AdamConfig, AdamState, adamw_step
 
 __all__ = [
     "DTYPES", "AdapterNotFoundError", "Adapter", "Example", "ForwardJob", "ForwardResult",
-    "InvalidInputError", "ModelHost", "split_by_length",
+    "InvalidInputError", "ModelHost", "merge_results", "split_by_length",
 ]
 
 
@@ -59,7 +61,30 @@ class ForwardJob:
 class ForwardResult:
     logprobs: list[list[float]]  # per datum, per target token
     elementwise_loss: list[list[float]]
-    metrics: dict[str, float]
+    metrics: dict[str, float]  # "loss:sum", and each loss metric's "<name>:mean" over ``active_tokens``
+    active_tokens: float = 0.0  # tokens of non-zero weight: what the ":mean" metrics average over
+
+
+def merge_results(parts: list[ForwardResult]) -> ForwardResult:
+    """One job's result from the results of its data's consecutive parts, run separately.
+
+    Exact, as the metrics are made in ``ModelHost._collect``: per-datum outputs are
+    concatenated in order, ``:sum`` metrics add, and each ``:mean`` is re-weighted by its
+    part's ``active_tokens`` (a part without active tokens reports 0 and weighs nothing).
+    """
+    active = sum(p.active_tokens for p in parts)
+    metrics: dict[str, float] = {}
+    for part in parts:
+        for name, value in part.metrics.items():
+            weight = part.active_tokens if name.endswith(":mean") else 1.0
+            metrics[name] = metrics.get(name, 0.0) + value * weight
+    metrics = {k: v / max(active, 1.0) if k.endswith(":mean") else v for k, v in metrics.items()}
+    return ForwardResult(
+        logprobs=[lp for p in parts for lp in p.logprobs],
+        elementwise_loss=[loss for p in parts for loss in p.elementwise_loss],
+        metrics=metrics,
+        active_tokens=active,
+    )
 
 
 @dataclass
@@ -104,9 +129,12 @@ class ModelHost:
         self.model_name = model_name
         source = (catalog or Catalog()).resolve(model_name)
         self.model, self.tokenizer = load_model_and_tokenizer(source, self.dtype, device=self.device)
-        self.routing = lora.install(self.model)
+        self.family = family_of(self.model.config)  # LoRA targets and head, per model family
+        check_head(self.family, self.model.config)
+        self.routing = lora.install(self.model, self.family.all_targets())
         self.trunk = self.model.get_decoder()
-        self.unembed = self.model.get_output_embeddings()
+        # the one place logits are made, trainer and sampler alike: lm_head + family transform
+        self.unembed = Head(self.model.get_output_embeddings(), self.family.transform(self.model.config))
         self.vocab_size = int(self.unembed.weight.shape[0])
         self.max_seq_len = int(getattr(self.model.config, "max_position_embeddings", 4096))
         self.max_batch_tokens = max_batch_tokens
@@ -115,13 +143,22 @@ class ModelHost:
         self.prefix_cache = sampler.PrefixCache(prefix_cache_bytes)
         self._generation = itertools.count(1)
         self._adapter_generation: dict[str, int] = {}  # a re-created id never matches old cache keys
+        # key -> an adapter's grads as they were (hold_grads), until release_grads
+        self.held_grads: dict[str, tuple[str, dict[str, torch.Tensor | None]]] = {}
 
     # -- adapters ---------------------------------------------------------------------
 
     def create_adapter(self, adapter_id: str, config: lora.LoraConfig) -> None:
+        """Add an adapter on the model family's target layers.
+
+        Raises:
+            InvalidInputError: the id exists, or a kind of layer the config asks for
+                (train_attn / train_mlp / train_unembed) matches no layer of this model.
+        """
         if adapter_id in self.adapters:
             raise InvalidInputError(f"adapter_id: {adapter_id!r} already exists")
-        lora.add_adapter(self.model, adapter_id, config)
+        targets = select_targets(self.model, self.family, config)
+        lora.add_adapter(self.model, adapter_id, config, targets)
         self.adapters[adapter_id] = Adapter(config)
         self._adapter_generation[adapter_id] = next(self._generation)
 
@@ -263,7 +300,7 @@ class ModelHost:
         for job in jobs:
             self.validate_job(job)
         with self.lock:
-            saved = self._save_grads(jobs) if backward else {}
+            saved = self._save_grads(_adapters_of(jobs)) if backward else {}
             try:
                 results = self._run(jobs, backward)
                 failed = any(backward and _non_finite(job, r) for job, r in zip(jobs, results))
@@ -281,7 +318,7 @@ class ModelHost:
 
     def _alone(self, job: ForwardJob, backward: bool) -> ForwardResult | Exception:
         """One job on its own; on failure its grads are left as they were and it gets its error."""
-        saved = self._save_grads([job]) if backward else {}
+        saved = self._save_grads(_adapters_of([job])) if backward else {}
         try:
             [result] = self._run([job], backward)
             error: Exception | None = _non_finite(job, result) if backward else None
@@ -292,15 +329,29 @@ class ModelHost:
         self._restore_grads(saved)
         return error
 
-    def _save_grads(self, jobs: list[ForwardJob]) -> dict[str, dict[str, torch.Tensor | None]]:
-        ids = {job.adapter_id for job in jobs if job.adapter_id is not None}
+    def _save_grads(self, adapter_ids: set[str]) -> dict[str, dict[str, torch.Tensor | None]]:
+        """A copy of each adapter's grads (None where there are none), for ``_restore_grads``."""
         return {a: {n: None if p.grad is None else p.grad.clone() for n, p in self.adapter_params(a).items()}
-                for a in ids}
+                for a in adapter_ids}
 
     def _restore_grads(self, saved: dict[str, dict[str, torch.Tensor | None]]) -> None:
         for adapter_id, grads in saved.items():
             for name, p in self.adapter_params(adapter_id).items():
                 p.grad = grads[name]
+
+    def hold_grads(self, key: str, adapter_id: str) -> None:
+        """Keep a copy of an adapter's grads under ``key``, to go back to them if what follows
+        fails (a request run as several passes). Held until ``release_grads(key)``."""
+        with self.lock:
+            self.held_grads[key] = (adapter_id, self._save_grads({adapter_id})[adapter_id])
+
+    def release_grads(self, key: str, restore: bool) -> None:
+        """Forget the grads held under ``key``, first putting them back if ``restore``.
+        An unknown key (never held, or lost with a restarted process) does nothing."""
+        with self.lock:
+            held = self.held_grads.pop(key, None)
+            if restore and held is not None:
+                self._restore_grads({held[0]: held[1]})
 
     def _run(self, jobs: list[ForwardJob], backward: bool) -> list[ForwardResult]:
         rows = [(j, i) for j, job in enumerate(jobs) for i in range(len(job.examples))]
@@ -365,13 +416,40 @@ class ModelHost:
     def token_logprobs(
         self, hidden: torch.Tensor, targets: torch.Tensor, token_adapters: list[str | None]
     ) -> torch.Tensor:
-        """log p(target) for each row of hidden (N, H): unembedding + fp32 log-softmax.
+        """log p(target) for each row of hidden (N, H): ``unembed`` (lm_head and the
+        family's logit transform, in fp32) + log-softmax.
 
-        Shared by trainer and sampler so both compute logprobs with the same numerics.
+        Shared by trainer and ``compute_logprobs`` (the sampler calls ``unembed`` itself)
+        so all compute logprobs with the same numerics. Rows go through in chunks of
+        ``logit_chunk_rows`` so the (N, V) fp32 logits never exist whole: with grads on,
+        each chunk is checkpointed (its logits are dropped after the forward and
+        recomputed, chunk by chunk, in the backward). Row-wise ops, so chunking changes
+        no value.
         """
+        rows = self.logit_chunk_rows()
+        if hidden.shape[0] <= rows:
+            return self._chunk_logprobs(hidden, targets, token_adapters)
+        parts = []
+        for start in range(0, hidden.shape[0], rows):
+            chunk = (hidden[start : start + rows], targets[start : start + rows], token_adapters[start : start + rows])
+            if torch.is_grad_enabled():
+                parts.append(recompute_in_backward(self._chunk_logprobs, *chunk, use_reentrant=False))
+            else:
+                parts.append(self._chunk_logprobs(*chunk))
+        return torch.cat(parts)  # (N,)
+
+    def logit_chunk_rows(self) -> int:
+        """Rows per chunk of the unembedding: about LOGIT_CHUNK_ELEMENTS fp32 logits."""
+        return max(1, LOGIT_CHUNK_ELEMENTS // self.vocab_size)
+
+    def _chunk_logprobs(
+        self, hidden: torch.Tensor, targets: torch.Tensor, token_adapters: list[str | None]
+    ) -> torch.Tensor:
+        # routing is set here, inside the checkpointed function, so the backward's
+        # recomputation routes the chunk's rows to their adapters again
         with self.routing.use(lora.segments(token_adapters, hidden.device)):
-            logits = self.unembed(hidden).float()  # (N, V)
-        return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+            logits = self.unembed(hidden)  # (n, V) fp32
+        return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # (n,)
 
     def _collect(self, j: int, job: ForwardJob, outputs: dict) -> ForwardResult:
         per_datum = [outputs[(j, i)] for i in range(len(job.examples))]
@@ -388,6 +466,7 @@ class ModelHost:
             logprobs=[lp.tolist() for lp, _, _ in per_datum],
             elementwise_loss=[loss.tolist() for _, loss, _ in per_datum],
             metrics=metrics,
+            active_tokens=active,
         )
 
     # -- optimizer ----------------------------------------------------------------------
@@ -470,6 +549,7 @@ class ModelHost:
                 f"this host serves {self.model_name!r}",
                 field="path",
             )
+        select_targets(self.model, self.family, state.config)  # fails before the delete below
         with self.lock:
             self.delete_adapter(adapter_id)
             self.create_adapter(adapter_id, state.config)
@@ -491,6 +571,7 @@ class ModelHost:
     def load_sampler_weights(self, adapter_id: str, folder: str) -> None:
         """Load a PEFT adapter folder (ours or any rank-r LoRA on the same targets)."""
         config, weights = checkpoint.load_peft_adapter(folder)
+        select_targets(self.model, self.family, config)  # fails before the delete below
         with self.lock:
             self.delete_adapter(adapter_id)
             self.create_adapter(adapter_id, config)
@@ -504,6 +585,7 @@ class ModelHost:
         return {
             "model_name": self.model_name,
             "architecture": cfg.model_type,
+            "family": self.family.name,
             "vocab_size": self.vocab_size,
             "max_seq_len": self.max_seq_len,
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -511,6 +593,10 @@ class ModelHost:
             "num_adapters": len(self.adapters),
         }
 
+
+# fp32 logits of one unembedding chunk (64 MiB): e.g. 341 rows of a 49k vocabulary, 2^24
+# being small next to a model yet big enough that the per-chunk overhead is nil.
+LOGIT_CHUNK_ELEMENTS = 2**24
 
 # A forward pass costs about this many padded tokens on top of its tokens (per-layer
 # launches, weight reads), so tiny micro-batches are not free.
@@ -541,6 +627,10 @@ def split_by_length(lengths: list[int], budget: int) -> list[int]:
         ends.append(k)
         k = cut[k]
     return ends[::-1]
+
+
+def _adapters_of(jobs: list[ForwardJob]) -> set[str]:
+    return {job.adapter_id for job in jobs if job.adapter_id is not None}
 
 
 def _non_finite(job: ForwardJob, result: ForwardResult) -> InvalidInputError | None:

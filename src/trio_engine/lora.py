@@ -19,7 +19,7 @@ initial values are drawn on the CPU, so a seed gives the same adapter on every d
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -62,7 +62,8 @@ class LoraConfig:
         return self.alpha / self.rank
 
     def targets(self) -> tuple[str, ...]:
-        """Module-name suffixes this adapter applies to."""
+        """Llama-family module-name suffixes this config selects; the host uses its
+        model family's names instead (``model.FamilySpec.requested``)."""
         return (
             (ATTN_TARGETS if self.train_attn else ())
             + (MLP_TARGETS if self.train_mlp else ())
@@ -158,10 +159,10 @@ def _add_low_rank(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     return torch.addmm(flat, low, b.t(), alpha=scale).view(out.shape)
 
 
-def install(model: nn.Module) -> Routing:
-    """Wrap every candidate linear layer of ``model`` once; returns the shared Routing."""
+def install(model: nn.Module, suffixes: Collection[str] = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS) -> Routing:
+    """Wrap every linear layer of ``model`` named one of ``suffixes`` once (the model
+    family's targets, ``model.FamilySpec.all_targets``); returns the shared Routing."""
     routing = Routing()
-    suffixes = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if child_name in suffixes and isinstance(child, nn.Linear):
@@ -176,14 +177,18 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
             yield name, module
 
 
-def add_adapter(model: nn.Module, adapter_id: str, config: LoraConfig) -> None:
+def add_adapter(
+    model: nn.Module, adapter_id: str, config: LoraConfig, targets: Collection[str] | None = None
+) -> None:
     """Create adapter weights in every targeted layer, deterministically from the seed.
 
+    ``targets``: the layer names to adapt (the host passes its model family's, checked by
+    ``model.select_targets``); None: ``config.targets()``, the Llama names.
     The weights go on each layer's device; the generator stays on the CPU on purpose
     (device-independent initialisation).
     """
     gen = torch.Generator(device="cpu").manual_seed(config.seed)
-    targets = config.targets()
+    targets = config.targets() if targets is None else targets
     for name, module in lora_modules(model):
         if name.rsplit(".", 1)[-1] in targets:
             module.add(adapter_id, config.rank, config.scale, gen)

@@ -6,13 +6,16 @@
     GET  /api/v1/capabilities, /tokenizer, /runs, /runs/{id}, /checkpoints
     GET  /api/v1/runs/{id}/metrics    the run's steps: [{step, metrics}]
     POST /api/v1/runs/{id}/metrics    {step | null, metrics: {name: value}}: a client's own
+    GET  /api/v1/usage                the caller's tokens trained/prefilled/sampled, per run, and budget
+    GET  /api/v1/runs/{id}/usage      one run's tokens
     /tinker/api/v1/...                the tinker SDK's routes (tinker_api.py)
     /openai/v1/...                    OpenAI-compatible chat, completions, models (openai_api.py)
     DELETE /api/v1/checkpoints?path=  GET /api/v1/checkpoints/archive?path= (ranges)
     GET  /console                     the web console (static; its calls carry the key)
 
 Errors are ``{"error": {"category", "message"}}`` with a 4xx/5xx status; malformed
-JSON and wrong types get a 4xx naming the field, never a 500.
+JSON and wrong types get a 4xx naming the field, never a 500. A submit past a queue
+bound is a 429 with ``Retry-After`` (``Limits.max_pending_*``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pytrio.errors import describe_validation_error
 
 from .auth import authenticate
 from .core import ServiceCore, ServiceError
+from .errors import retry_after_headers
 
 log = logging.getLogger("trio.server")
 
@@ -54,7 +58,7 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
 
     @app.exception_handler(ServiceError)
     async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
-        return _error(exc.status, exc.category, exc.message)
+        return _error(exc.status, exc.category, exc.message, retry_after_headers(exc.retry_after))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -113,6 +117,14 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
     @app.post("/api/v1/runs/{run_id}/metrics")
     def log_metrics(run_id: str, body: t.LogMetricsRequest, request: Request) -> t.LogMetricsResponse:
         return core.log_metrics(user(request), run_id, body)
+
+    @app.get("/api/v1/usage")
+    def usage(request: Request) -> t.Usage:
+        return core.usage(user(request))
+
+    @app.get("/api/v1/runs/{run_id}/usage")
+    def run_usage(run_id: str, request: Request) -> t.RunUsage:
+        return core.run_usage(user(request), run_id)
 
     @app.get("/api/v1/checkpoints")
     def list_checkpoints(request: Request, run_id: str | None = None) -> list[t.Checkpoint]:
@@ -202,5 +214,5 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-def _error(status: int, category: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"category": category, "message": message}}, status_code=status)
+def _error(status: int, category: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"category": category, "message": message}}, status_code=status, headers=headers)

@@ -1,4 +1,4 @@
-"""The service's ``trio`` commands: ``trio serve``, ``trio keys create|list|revoke``, ``trio tokenizers install``.
+"""The service's ``trio`` commands: ``trio serve``, ``trio keys create|list|revoke|budget``, ``trio tokenizers install``.
 
 They live in the service package, not the SDK: they start or administer the server, and
 the SDK never imports the server (only ``pytrio.transport.local`` does, to run it
@@ -12,6 +12,7 @@ Heavy imports (uvicorn, the app, torch via the core) wait until a command runs, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -22,7 +23,8 @@ from typing import Any
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ENGINES = ("local", "ray")
-_LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_per_user")
+_LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_per_user", "max_pending_per_user",
+                "max_pending_total", "max_batch_tokens", "max_pass_tokens")
 
 
 def _data_dir(value: str | None) -> Path:
@@ -61,13 +63,50 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value, kept fixed
+
+
+def fix_mmap_threshold() -> bool:
+    """Keep glibc's mmap threshold at its starting 128 KiB; True if it was set.
+
+    glibc raises the threshold to the size of each large block freed (up to 32 MiB), so
+    after the first freed logits tensor, blocks of a few MiB come from the heap, where
+    freed space mostly stays in the process. Under 50 soak clients (benchmarks/soak.py)
+    the server's RSS grew ~30% in 10 minutes that way, with no Python object leaking; with
+    the threshold fixed it stayed flat. Setting it also stops the trim threshold's dynamic
+    raise. An explicit ``MALLOC_MMAP_THRESHOLD_`` in the environment wins; not glibc:
+    nothing to do.
+    """
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is not None or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # e.g. musl
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+
+
+def limits_from(args: argparse.Namespace) -> Any:
+    """The service's ``Limits``: the defaults, overridden by the flags given."""
+    from .core import Limits
+
+    limits = Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS if getattr(args, name) is not None})
+    if limits.max_pass_tokens == 0:  # 0: never split a request
+        limits = dataclasses.replace(limits, max_pass_tokens=None)
+    return limits
+
+
 def serve(args: argparse.Namespace) -> None:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):  # before the slow imports
         sys.exit("trio serve: --ssl-certfile and --ssl-keyfile go together (got only one)")
+    fix_mmap_threshold()  # before the model and the first requests allocate
     import uvicorn
 
     from .app import create_app
-    from .core import Limits, ServiceCore
+    from .core import ServiceCore
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     log = logging.getLogger("trio.server")
@@ -76,9 +115,8 @@ def serve(args: argparse.Namespace) -> None:
         log.warning("AUTHENTICATION IS OFF (--no-auth): anyone who reaches %s:%d acts as one", args.host, args.port)
         log.warning("shared user. Use this for localhost development only.")
         log.warning("=" * 72)
-    limits = Limits(**{name: getattr(args, name) for name in _LIMIT_FLAGS if getattr(args, name) is not None})
     core = ServiceCore(
-        _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits,
+        _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits_from(args),
         engine=args.engine, ray_address=args.ray_address, device=args.device,
         ray_placement=dict(args.ray_place or []),
     )
@@ -104,10 +142,14 @@ def _store(args: argparse.Namespace) -> Any:
 
 
 def keys_list(args: argparse.Namespace) -> None:
-    """One line per key: id (a hash prefix, not secret), name, created, revoked."""
-    print(f"{'ID':<14}{'NAME':<24}{'CREATED':<31}REVOKED")
-    for k in _store(args).list_api_keys():
-        print(f"{k['id']:<14}{k['name']:<24}{k['created_at']:<31}{k['revoked_at'] or '-'}")
+    """One line per key: id (a hash prefix, not secret), name, created, token budget and
+    tokens used (trained + prefilled + sampled; see ``trio usage``), revoked."""
+    store = _store(args)
+    print(f"{'ID':<14}{'NAME':<24}{'CREATED':<31}{'BUDGET':>14}{'USED':>14}  REVOKED")
+    for k in store.list_api_keys():
+        budget = "-" if k["budget_tokens"] is None else str(k["budget_tokens"])
+        print(f"{k['id']:<14}{k['name']:<24}{k['created_at']:<31}{budget:>14}{store.usage_total(k['user_id']):>14}"
+              f"  {k['revoked_at'] or '-'}")
 
 
 def keys_revoke(args: argparse.Namespace) -> None:
@@ -119,8 +161,28 @@ def keys_revoke(args: argparse.Namespace) -> None:
     print(f"revoked key {key['id']} ({key['name']!r})")
 
 
+def keys_budget(args: argparse.Namespace) -> None:
+    """Set (or with ``none`` lift) a key's token budget; a running server applies it from
+    the key's next submit."""
+    try:
+        key = _store(args).set_budget(args.key, args.tokens)
+    except KeyError as exc:
+        sys.exit(f"trio keys budget: {exc.args[0]}")
+    limit = "no limit" if args.tokens is None else f"{args.tokens} tokens"
+    print(f"key {key['id']} ({key['name']!r}): budget {limit}")
+
+
+def budget(value: str) -> int | None:
+    """A token budget: a whole number >= 0, or ``none`` for no limit."""
+    if value.lower() == "none":
+        return None
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"a budget is a whole number of tokens >= 0 or 'none', got {value!r}")
+    return int(value)
+
+
 def keys_create(args: argparse.Namespace) -> None:
-    key = _store(args).create_api_key(args.name)
+    key = _store(args).create_api_key(args.name, args.budget_tokens)
     print(key)
     print(f"# key {args.name!r} created; it is shown only this once. Use: export PYTRIO_API_KEY={key}", file=sys.stderr)
     print(f"# for the tinker SDK: export TINKER_API_KEY=tml-{key}", file=sys.stderr)
@@ -212,6 +274,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-checkpoint-bytes-per-user", type=int, metavar="BYTES",
                    help="quota: checkpoint bytes per API key; a save is refused once a user holds this many "
                         "(default none)")
+    p.add_argument("--max-pending-per-user", type=int, metavar="N",
+                   help="queue bound: requests of one API key accepted and not yet finished; past it a submit "
+                        "gets 429 with Retry-After (default 256)")
+    p.add_argument("--max-pending-total", type=int, metavar="N",
+                   help="queue bound: requests of all users accepted and not yet finished (default 4096)")
+    p.add_argument("--max-batch-tokens", type=int, metavar="N",
+                   help="scheduler: tokens one forward/forward_backward/sample batch may hold; a single larger "
+                        "request runs alone (default 8192)")
+    p.add_argument("--max-pass-tokens", type=int, metavar="N",
+                   help="scheduler: a forward/forward_backward request over N tokens runs as several passes of at "
+                        "most N tokens, so other users' steps go between them; 0: never split (default 64; raise it on a GPU)")
     p.add_argument("--device", type=device, default=os.environ.get("TRIO_DEVICE") or "auto",
                    help="auto|cpu|cuda|cuda:N; auto picks CUDA when available (default $TRIO_DEVICE or auto)")
     p.add_argument("--ssl-certfile", metavar="PEM", help="serve HTTPS with this certificate (chain); needs --ssl-keyfile")
@@ -222,10 +295,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", required=True)
     k = keys.add_parser("create", help="create an API key and print it once")
     k.add_argument("--name", required=True)
+    k.add_argument("--budget-tokens", type=budget, metavar="N",
+                   help="tokens (trained + prefilled + sampled) the key may use; then its new work is "
+                        "refused (default: no limit)")
     k.add_argument("--data-dir")
     k.add_argument("--db")
     k.set_defaults(func=keys_create)
-    k = keys.add_parser("list", help="list API keys: id, name, created, revoked (never the key)")
+    k = keys.add_parser("list", help="list API keys: id, name, created, budget, used, revoked (never the key)")
     k.add_argument("--data-dir")
     k.add_argument("--db")
     k.set_defaults(func=keys_list)
@@ -234,6 +310,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--data-dir")
     k.add_argument("--db")
     k.set_defaults(func=keys_revoke)
+    k = keys.add_parser("budget", help="set a key's token budget (trained + prefilled + sampled); "
+                                       "a running server applies it at the key's next submit")
+    k.add_argument("key", help="the key's id (from trio keys list) or its name")
+    k.add_argument("tokens", type=budget, help="a number of tokens, or 'none' for no limit")
+    k.add_argument("--data-dir")
+    k.add_argument("--db")
+    k.set_defaults(func=keys_budget)
 
     tok = sub.add_parser("tokenizers", help="tokenizers for clients (the tinker SDK, tinker-cookbook)")
     tsub = tok.add_subparsers(dest="tokenizers_command", required=True)

@@ -20,7 +20,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,14 +33,16 @@ from pytrio.errors import describe_validation_error
 
 from . import checkpoints as ckpt
 from .engine import Engine, EngineSettings, LocalEngine
-from .errors import RESTART_MESSAGE, ServiceError, not_found
+from .errors import RESTART_MESSAGE, ServiceError, not_found, over_capacity
 from .handlers import Context, remove_checkpoint
+from .queueing import QueueInfo, describe
 from .scheduler import WorkItem
 from .store import Store, dumps, now
 from .store import checkpoints as checkpoints_table
 from .store import requests as requests_table
 from .store import runs as runs_table
 from .store import samplers as samplers_table
+from .usage import COUNTED_OPS, check_budget, tokens_of, usage_response
 from .worker import HostWorker, Sequencing
 
 log = logging.getLogger("trio.server")
@@ -59,6 +61,15 @@ class Limits:
     (ephemeral sampler weights included) already hold that many bytes. A checkpoint's size
     is known only once written, so the last save allowed may overshoot by its own size.
     Ephemeral saves are not refused: they are bounded by ``ephemeral_samplers_per_run``.
+
+    Queue bounds (None: none): ``max_pending_per_user`` and ``max_pending_total`` count
+    requests accepted and not yet finished (queued or running). A submit past either is
+    refused with 429 and ``Retry-After: retry_after_seconds`` before anything changes, so
+    what was accepted is never dropped to make room. ``max_batch_tokens`` is the
+    scheduler's token budget per batch (see ``scheduler.py``); a forward or
+    forward_backward request over ``max_pass_tokens`` runs as several passes of at most
+    that many tokens, so no user waits long for another's pass (see ``splitting.py``;
+    None: never split).
     """
 
     max_tokens_per_request: int = 131_072
@@ -71,6 +82,11 @@ class Limits:
     ephemeral_samplers_per_run: int = 8  # unnamed sampler weights a run keeps (older ones are removed)
     max_runs_per_user: int | None = None
     max_checkpoint_bytes_per_user: int | None = None
+    max_pending_per_user: int | None = 256
+    max_pending_total: int | None = 4096
+    retry_after_seconds: float = 1.0
+    max_batch_tokens: int = 8192
+    max_pass_tokens: int | None = 64  # benchmarks/fairness.py: 64 meets its target on a 2-core CPU, 128 did not
 
 
 @dataclass
@@ -81,11 +97,23 @@ class Outcome:
     result_json: str | None = None
     error: t.ErrorInfo | None = None
     queue_state: str | None = None
+    queue_position: int | None = None
+    starts_in_seconds: float | None = None
+
+    @classmethod
+    def pending(cls, info: QueueInfo | None) -> Outcome:
+        """Not finished: running, or queued at a position (None: taken, finishing)."""
+        if info is None:
+            return cls("pending", queue_state="running")
+        starts_in = None if info.starts_in is None else round(info.starts_in, 1)
+        return cls("pending", queue_state=describe(info), queue_position=info.position, starts_in_seconds=starts_in)
 
     def to_json(self, request_id: str) -> str:
         """The FutureResponse body, splicing in the result exactly as it was stored."""
-        head = {"request_id": request_id, "status": self.status, "queue_state": self.queue_state,
+        head: dict[str, Any] = {"request_id": request_id, "status": self.status, "queue_state": self.queue_state,
                 "error": self.error.model_dump() if self.error else None}
+        if self.status == "pending":
+            head.update(queue_position=self.queue_position, starts_in_seconds=self.starts_in_seconds)
         body = dumps(head)
         return body[:-1] + ',"result":' + (self.result_json or "null") + "}"
 
@@ -147,6 +175,8 @@ class ServiceCore:
         self.next_seq: dict[str, int] = {}
         self.finished: deque[tuple[float, str, str | None]] = deque()  # (when, request id, idempotency key)
         self.arrivals = itertools.count()
+        self.pending_by_user: Counter[str] = Counter()  # accepted, unfinished requests (queue bounds)
+        self.unfinished: set[str] = set()  # their request ids
         self._recover()
 
     # -- start-up ---------------------------------------------------------------------
@@ -158,6 +188,9 @@ class ServiceCore:
             log.warning("marked %d in-flight requests failed after restart", len(failed))
         for row in self.store.select(checkpoints_table, kind="ephemeral"):  # they live one service lifetime
             remove_checkpoint(self.store, self.data_dir, row)
+        from trio_engine.checkpoint import recover_folders
+
+        recover_folders(self.data_dir / "checkpoints")  # a checkpoint write the crash interrupted
         max_seq = self.store.max_seq_by_run()
         for run in self.store.select(runs_table):
             self.next_seq[run["run_id"]] = max(run["next_seq"], max_seq.get(run["run_id"], -1) + 1)
@@ -184,6 +217,7 @@ class ServiceCore:
             item = WorkItem(request_id="req-" + secrets.token_hex(8), op=op, request=self._parse(op, body),
                             user_id=user_id)
             base_model = self._route(item)
+            self._check_budget(item)
         except ServiceError as exc:
             if (place := self._place_of_refused(user_id, body)) is None:
                 raise
@@ -191,6 +225,7 @@ class ServiceCore:
         with self.lock:
             if idempotency_key and (existing := self._idempotent(user_id, idempotency_key)):
                 return existing  # a concurrent retry registered it meanwhile
+            self._check_capacity(user_id)
             if item.run_id is not None and item.seq is not None:
                 self._check_seq(item)
             if rejection is None:
@@ -207,6 +242,7 @@ class ServiceCore:
             item.arrival = next(self.arrivals)
             self.futures[item.request_id] = concurrent.futures.Future()
             self.owners[item.request_id] = user_id
+            self._count_pending(item.request_id, user_id)
             if idempotency_key:
                 self.idempotency[(user_id, idempotency_key)] = item.request_id
                 item.context["idempotency_key"] = idempotency_key
@@ -221,6 +257,9 @@ class ServiceCore:
             if existing is None:
                 raise
             return existing
+        except Exception:  # e.g. the database stayed down past Store.retry_seconds: not accepted
+            self._unregister(item.request_id)
+            raise
         self._worker(base_model).enqueue(item)
         if rejection:
             raise rejection
@@ -253,7 +292,7 @@ class ServiceCore:
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
         except asyncio.TimeoutError:
-            return Outcome("pending", queue_state=self._queue_state(request_id))
+            return Outcome.pending(self._queue_info(request_id))
 
     def _stored_outcome(self, user_id: str, request_id: str) -> Outcome:
         row = self.store.get(requests_table, request_id=request_id)
@@ -264,16 +303,22 @@ class ServiceCore:
             return Outcome("failed", error=t.ErrorInfo(category="server", message=RESTART_MESSAGE))
         return Outcome(row["status"], row["result"], error)
 
+    def _queue_info(self, request_id: str) -> QueueInfo | None:
+        """Where a pending request stands on its host; None once no worker holds it
+        (taken, finishing: it resolves in a moment)."""
+        for worker in list(self.workers.values()):
+            info = worker.queue_info(request_id)
+            if info is not None:
+                return info
+        return None
+
     def _queue_state(self, request_id: str) -> str:
-        for worker in self.workers.values():
-            position = worker.position(request_id)
-            if position is not None:
-                return f"queued (position {position})" if position else "running"
-        return "running"
+        return Outcome.pending(self._queue_info(request_id)).queue_state or "running"
 
     def _unregister(self, request_id: str) -> None:
         with self.lock:
             self.futures.pop(request_id, None)
+            self._uncount_pending(request_id)
             user_id = self.owners.pop(request_id, None)
             for key, rid in list(self.idempotency.items()):
                 if rid == request_id and key[0] == user_id:
@@ -364,6 +409,13 @@ class ServiceCore:
         """A checkpoint's record; 404 unless it is this user's."""
         return self._checkpoint(user_id, path)
 
+    def _check_budget(self, item: WorkItem) -> None:
+        """A key whose token budget is spent submits no more token work (usage.py says
+        what counts, and why 403). Checked before anything changes; other operations
+        (saving, downloading) stay allowed. Requests already accepted still run."""
+        if item.op in COUNTED_OPS and (budget := self.store.budget_of(item.user_id)) is not None:
+            check_budget(budget, self.store.usage_total(item.user_id))
+
     def _check_seq(self, item: WorkItem) -> None:
         assert item.run_id is not None and item.seq is not None
         expected = self.next_seq.get(item.run_id, 0)
@@ -383,6 +435,31 @@ class ServiceCore:
                 and lim.max_checkpoint_bytes_per_user is not None):
             used = sum(r["size_bytes"] or 0 for r in self.store.select(checkpoints_table, user_id=item.user_id))
             _quota("max_checkpoint_bytes_per_user", "checkpoint bytes", used, lim.max_checkpoint_bytes_per_user)
+
+    def _check_capacity(self, user_id: str) -> None:
+        """Called under ``self.lock``, before anything changes: 429 when the user's or the
+        service's pending requests are at their bound. (A retry of an accepted request never
+        gets here: its idempotency key answered first.)"""
+        lim = self.limits
+        mine, total = self.pending_by_user[user_id], len(self.unfinished)
+        if lim.max_pending_per_user is not None and mine >= lim.max_pending_per_user:
+            raise over_capacity("max_pending_per_user", "requests of this user", mine, lim.max_pending_per_user,
+                                lim.retry_after_seconds)
+        if lim.max_pending_total is not None and total >= lim.max_pending_total:
+            raise over_capacity("max_pending_total", "requests", total, lim.max_pending_total, lim.retry_after_seconds)
+
+    def _count_pending(self, request_id: str, user_id: str) -> None:
+        self.unfinished.add(request_id)
+        self.pending_by_user[user_id] += 1
+
+    def _uncount_pending(self, request_id: str) -> None:
+        """Under ``self.lock``: the request finished (or was never queued)."""
+        if request_id in self.unfinished:
+            self.unfinished.discard(request_id)
+            user_id = self.owners.get(request_id, "")
+            self.pending_by_user[user_id] -= 1
+            if self.pending_by_user[user_id] <= 0:
+                del self.pending_by_user[user_id]
 
     def _check_limits(self, item: WorkItem) -> None:
         self._check_quotas(item)
@@ -413,7 +490,8 @@ class ServiceCore:
                               self.limits.ephemeral_samplers_per_run)
                 order = Sequencing(self.next_seq, self.lock, self.limits.seq_gap_seconds)
                 self.workers[base_model] = HostWorker(ctx, lambda item, r: self.resolve(item, *r), order,
-                                                      self.idle_offload_seconds)
+                                                      self.idle_offload_seconds, self.limits.max_batch_tokens,
+                                                      self.limits.max_pass_tokens)
             return self.workers[base_model]
 
     def _new_engine(self, base_model: str) -> Engine:
@@ -425,24 +503,53 @@ class ServiceCore:
         return LocalEngine(base_model, self.engine_settings)
 
     def resolve(self, item: WorkItem, result: pydantic.BaseModel | None, error: ServiceError | None) -> None:
-        """Store the outcome, advance the run's sequence, wake the waiters."""
+        """Store the outcome, advance the run's sequence, wake the waiters.
+
+        The store retries through a database restart (``Store.retry_seconds``); if it is
+        down for longer, the outcome is still delivered to this process's waiters and the
+        error logged: an executed request is not turned into a lost one, and the worker
+        thread (which calls this) lives on.
+        """
         if error is None:
             assert result is not None
             outcome = Outcome("done", result.model_dump_json())
-            self.store.update(requests_table, "request_id", item.request_id, status="done", result=outcome.result_json)
         else:
             outcome = Outcome("failed", error=t.ErrorInfo(category=error.category, message=error.message,
                                                           status_code=error.status))
-            self.store.update(requests_table, "request_id", item.request_id, status="failed",
-                              error_category=error.category, error_message=error.message)
         if item.run_id is not None and item.seq is not None:
             with self.lock:
                 self.next_seq[item.run_id] = item.seq + 1
-            self.store.update(runs_table, "run_id", item.run_id, next_seq=item.seq + 1, last_request_at=now())
+        try:
+            self._store_outcome(item, outcome)
+        except Exception:
+            log.exception("request=%s run=%s op=%s: its outcome could not be stored; delivered in memory only",
+                          item.request_id, item.run_id or "-", item.op)
+        if result is not None and error is None:
+            self._count_usage(item, result)
+        with self.lock:
+            self._uncount_pending(item.request_id)
         future = self.futures.get(item.request_id)
         if future is not None and not future.done():
             future.set_result(outcome)
         self._forget_old(item)
+
+    def _count_usage(self, item: WorkItem, result: pydantic.BaseModel) -> None:
+        """Add a done request's tokens to its user's usage (usage.py); a failure to count is
+        logged and never fails the request, whose result is already stored."""
+        try:
+            run_id, n = tokens_of(item, result)
+            self.store.add_usage(item.user_id, run_id, n.trained, n.prefilled, n.sampled)
+        except Exception:
+            log.exception("request=%s run=%s: counting its token usage failed", item.request_id, item.run_id)
+
+    def _store_outcome(self, item: WorkItem, outcome: Outcome) -> None:
+        if outcome.error is None:
+            self.store.update(requests_table, "request_id", item.request_id, status="done", result=outcome.result_json)
+        else:
+            self.store.update(requests_table, "request_id", item.request_id, status="failed",
+                              error_category=outcome.error.category, error_message=outcome.error.message)
+        if item.run_id is not None and item.seq is not None:
+            self.store.update(runs_table, "run_id", item.run_id, next_seq=item.seq + 1, last_request_at=now())
 
     def _forget_old(self, item: WorkItem) -> None:
         """Finished futures stay in memory for a while; after that the store answers."""
@@ -467,6 +574,7 @@ class ServiceCore:
             supported_models=self.catalog.available(), max_tokens_per_request=lim.max_tokens_per_request,
             max_seq_len=lim.max_seq_len, max_batch_size=lim.max_batch_size, max_lora_rank=lim.max_lora_rank,
             max_runs_per_user=lim.max_runs_per_user, max_checkpoint_bytes_per_user=lim.max_checkpoint_bytes_per_user,
+            max_pending_per_user=lim.max_pending_per_user, max_pending_total=lim.max_pending_total,
         )
 
     def tokenizer_files(self, base_model: str) -> t.TokenizerFiles:
@@ -523,6 +631,16 @@ class ServiceCore:
         """The run's steps in order, each with the service's and the client's metrics."""
         self._run(user_id, run_id)
         return [t.StepMetrics(step=step, metrics=metrics) for step, metrics in self.store.run_metrics(run_id)]
+
+    def usage(self, user_id: str) -> t.Usage:
+        """The user's token usage: totals, one row per run, and the key's budget."""
+        return usage_response(self.store.usage_by_run(user_id), self.store.budget_of(user_id))
+
+    def run_usage(self, user_id: str, run_id: str) -> t.RunUsage:
+        """One run's token usage (sampling from its weights included); 404 unless it is this user's."""
+        self._run(user_id, run_id)
+        rows = self.store.usage_by_run(user_id, run_id)
+        return t.RunUsage(**rows[0]) if rows else t.RunUsage(run_id=run_id)
 
     def list_checkpoints(self, user_id: str, run_id: str | None = None) -> list[t.Checkpoint]:
         where = {"user_id": user_id} | ({"run_id": run_id} if run_id else {})

@@ -124,6 +124,16 @@ class Engine(Protocol):
 
     def forward_backward(self, jobs: list[ForwardJob]) -> list[ForwardResult | Failure]: ...
 
+    def hold_grads(self, key: str, run_id: str) -> None:
+        """Keep a copy of the run's grads, in the engine, under ``key`` (a request run as
+        several passes holds them from before its first part until it ends)."""
+        ...
+
+    def release_grads(self, key: str, run_id: str, restore: bool) -> None:
+        """Free the grads held under ``key``; with ``restore``, first make them the run's
+        grads again (a part failed: the request adds nothing). Unknown keys do nothing."""
+        ...
+
     def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]: ...
 
     def adapter_info(self, run_id: str) -> AdapterInfo: ...
@@ -319,6 +329,13 @@ class LocalEngine:
                 outs = [failure_from(exc)] * len(valid)
             results.update(zip(valid, outs))
         return [results[k] for k in range(len(jobs))]
+
+    def hold_grads(self, key: str, run_id: str) -> None:
+        self._resident(run_id).hold_grads(key, run_id)
+
+    def release_grads(self, key: str, run_id: str, restore: bool) -> None:
+        host = self._resident(run_id) if restore and key in self.host.held_grads else self.host
+        host.release_grads(key, restore)
 
     def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]:
         metrics = self._resident(run_id).optim_step(run_id, config)

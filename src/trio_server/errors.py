@@ -6,15 +6,32 @@ capacity, server); each front door maps them to its own wire shape.
 
 from __future__ import annotations
 
+import math
+
 RESTART_MESSAGE = "the server restarted while this request was in flight; submit it again"
 
 
 class ServiceError(Exception):
     """An error for the client: a category (see pytrio.errors) and an HTTP status."""
 
-    def __init__(self, category: str, message: str, status: int = 400):
+    def __init__(self, category: str, message: str, status: int = 400, retry_after: float | None = None):
         super().__init__(message)
         self.category, self.message, self.status = category, message, status
+        self.retry_after = retry_after  # seconds; front doors send it as Retry-After (429)
+
+
+def over_capacity(name: str, what: str, pending: int, limit: int, retry_after: float) -> ServiceError:
+    """A 429: ``limit`` requests are already pending; retrying later (same key) will pass."""
+    return ServiceError("capacity", f"capacity {name}: {pending} {what} pending, the limit is {limit}; "
+                        f"retry in {retry_after:g} s", 429, retry_after)
+
+
+def retry_after_headers(retry_after: float | None) -> dict[str, str]:
+    """``Retry-After`` in whole seconds (as HTTP defines it) and ``retry-after-ms`` (which
+    the tinker and OpenAI SDKs read first, for sub-second waits)."""
+    if retry_after is None:
+        return {}
+    return {"Retry-After": str(max(1, math.ceil(retry_after))), "retry-after-ms": str(int(retry_after * 1000))}
 
 
 def not_found(what: str) -> ServiceError:

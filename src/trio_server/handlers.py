@@ -23,6 +23,7 @@ import pydantic
 from pytrio import types as t
 from trio_engine import (
     AdamConfig,
+    CheckpointWriteError,
     Example,
     ForwardJob,
     ForwardResult,
@@ -30,13 +31,15 @@ from trio_engine import (
     SampleRequest,
     SampleResult,
     SamplingConfig,
+    merge_results,
 )
 
 from . import checkpoints as ckpt
 from .engine import Engine, Failure, SampleJob, failure_from
 from .errors import ServiceError
 from .metrics import StepTotals
-from .scheduler import WorkItem
+from .scheduler import WorkItem, tokens
+from .splitting import Split, in_whole_request, split_of
 from .store import Store, now
 from .store import checkpoints as checkpoints_table
 from .store import runs as runs_table
@@ -115,20 +118,67 @@ def _outcome(out: Any, wire: Callable[[Any], pydantic.BaseModel]) -> Result:
 
 
 def _forward(ctx: Context, batch: list[WorkItem]) -> list[Result]:
-    jobs = []
-    for item in batch:
+    results: dict[int, Result] = {}
+    jobs: dict[int, ForwardJob] = {}
+    for k, item in enumerate(batch):
+        _, error = _hold_grads_if_first_part(ctx, item)
+        if error:
+            results[k] = (None, error)
+            continue
         req: t.ForwardRequest = item.request
         examples = [Example(d.model_input.to_ints(), {n: v.data for n, v in d.loss_fn_inputs.items()}) for d in req.data]
-        jobs.append(ForwardJob(req.model_id, examples, req.loss_fn, dict(req.loss_fn_config or {})))
+        jobs[k] = ForwardJob(req.model_id, examples, req.loss_fn, dict(req.loss_fn_config or {}))
     run = ctx.engine.forward_backward if batch[0].op == "forward_backward" else ctx.engine.forward
-    outs, error = _guard(run, jobs)
-    if error:
-        return [(None, error)] * len(batch)
-    if batch[0].op == "forward_backward":  # forward trains nothing: no step's metrics
-        for item, out in zip(batch, outs):
-            if isinstance(out, ForwardResult) and not _record(item, _add_to_step, ctx, item, out):
-                ctx.steps[item.request.model_id] = None  # its sums lack this call: not recorded
-    return [_outcome(out, _forward_output) for out in outs]
+    outs, error = _guard(run, list(jobs.values())) if jobs else ([], None)
+    if error:  # the whole pass failed: every job in it, with that error
+        results.update({k: (None, error) for k in jobs})
+        outs = []
+    for k, out in zip(jobs, outs):
+        item = batch[k]
+        split = split_of(item)
+        if split is not None:
+            if isinstance(out, ForwardResult):
+                split.results.append(out)  # merged, and counted in the step, once all parts are done
+        elif batch[0].op == "forward_backward" and isinstance(out, ForwardResult):
+            _count_in_step(ctx, item, out)  # forward trains nothing: no step's metrics
+        results[k] = _outcome(out, _forward_output)
+    return [results[k] for k in range(len(batch))]
+
+
+def _hold_grads_if_first_part(ctx: Context, item: WorkItem) -> tuple[None, ServiceError | None]:
+    """Before a split forward_backward's first part: keep the run's grads to go back to."""
+    split = split_of(item)
+    if split is None or split.index > 0 or not split.holds_grads:
+        return None, None
+    return _guard(ctx.engine.hold_grads, item.request_id, item.request.model_id)
+
+
+def finish_split(ctx: Context, split: Split, error: ServiceError | None) -> Result:
+    """The outcome of a request run in parts, once its last part is done or one failed.
+
+    On failure the run's grads go back to how they were before the first part; else the
+    held copy is freed and the parts' results merge into the request's."""
+    item = split.whole
+    if split.holds_grads:
+        _, release_error = _guard(ctx.engine.release_grads, item.request_id, item.request.model_id, error is not None)
+        if release_error and error is None:
+            error = release_error
+        elif release_error:
+            log.error("request=%s run=%s: grads not restored after a failed part: %s", item.request_id,
+                      item.run_id, release_error.message)
+    if error is not None:
+        return None, ServiceError(error.category, in_whole_request(error.message, split), error.status)
+    merged = merge_results(split.results)
+    if split.holds_grads:
+        _count_in_step(ctx, item, merged)
+    output = _forward_output(merged)
+    output.elapsed_time = split.elapsed_ms
+    return output, None
+
+
+def _count_in_step(ctx: Context, item: WorkItem, out: ForwardResult) -> None:
+    if not _record(item, _add_to_step, ctx, item, out):
+        ctx.steps[item.request.model_id] = None  # its sums lack this call: not recorded
 
 
 def _add_to_step(ctx: Context, item: WorkItem, out: ForwardResult) -> None:
@@ -214,7 +264,7 @@ def decode(ctx: Context, admit: list[WorkItem], live: list[str], max_steps: int 
 def log_outcome(item: WorkItem, result: Result, elapsed_ms: float) -> None:
     error = result[1]
     log.info("request=%s run=%s op=%s ms=%.0f tokens=%d status=%s", item.request_id, item.run_id or "-",
-             item.op, elapsed_ms, _tokens(item), "failed" if error else "done")
+             item.op, elapsed_ms, tokens(item), "failed" if error else "done")
     if error is not None and error.category == "server":  # ours, not the caller's: find it by request id
         log.error("request=%s run=%s op=%s server error: %s", item.request_id, item.run_id or "-", item.op,
                   error.message)
@@ -289,13 +339,16 @@ def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:
         raise ServiceError("validation", f"name: checkpoint {path!r} already exists; pass overwrite=True to "
                            "replace it, or use another name", 409)
     folder = ctx.checkpoint_folder(path)
-    if req.kind == "weights":
-        ctx.engine.save_state(req.model_id, folder)
-    else:  # the engine frees a sampler copy it had loaded from this folder
-        ctx.engine.save_sampler_weights(req.model_id, folder)
-    ctx.store.delete(checkpoints_table, path=path)
-    ctx.store.insert(checkpoints_table, path=path, user_id=item.user_id, run_id=req.model_id, kind=req.kind,
-                     name=name, created_at=now(), size_bytes=ckpt.folder_size(Path(folder)))
+    try:
+        if req.kind == "weights":
+            ctx.engine.save_state(req.model_id, folder)
+        else:  # the engine frees a sampler copy it had loaded from this folder
+            ctx.engine.save_sampler_weights(req.model_id, folder)
+    except CheckpointWriteError as exc:  # disk full, read-only...: ours to fix, not the caller's
+        raise ServiceError("server", f"saving checkpoint {path!r} failed: {exc.reason}; the previous "
+                           "checkpoint of this name, if any, is unchanged", 500) from exc
+    ctx.store.replace(checkpoints_table, path=path, user_id=item.user_id, run_id=req.model_id, kind=req.kind,
+                      name=name, created_at=now(), size_bytes=ckpt.folder_size(Path(folder)))
     if req.kind == "ephemeral":
         _expire_ephemeral(ctx, req.model_id)
     return t.SaveWeightsResponse(path=path)
@@ -365,10 +418,3 @@ HANDLERS: dict[str, Callable[[Context, WorkItem], pydantic.BaseModel | None]] = 
 }
 
 
-def _tokens(item: WorkItem) -> int:
-    req = item.request
-    if isinstance(req, t.ForwardRequest):
-        return sum(d.model_input.length for d in req.data)
-    if isinstance(req, t.SampleRequest):
-        return req.prompt.length + req.num_samples * req.sampling_params.max_tokens
-    return 0

@@ -64,7 +64,7 @@ from . import checkpoints as ckpt
 from . import openai_wire as w
 from .auth import authenticate
 from .core import ServiceCore
-from .errors import ServiceError
+from .errors import ServiceError, retry_after_headers
 from .tinker_wire import to_trio_path
 
 log = logging.getLogger("trio.openai")
@@ -90,10 +90,13 @@ def from_service(exc: ServiceError, model: str | None = None) -> w.OpenAIError:
         return w.OpenAIError(401, exc.message, code="invalid_api_key")
     if exc.category == "not_found":
         return w.model_not_found(model, exc.message) if model else w.OpenAIError(404, exc.message)
+    if exc.category == "validation" and exc.status == 403:  # a quota or token budget: not the body's fault
+        return w.OpenAIError(403, exc.message, type="insufficient_quota")
     if exc.category == "validation":
         return w.bad_param(None, exc.message)
     if exc.category == "capacity":
-        return w.OpenAIError(429, exc.message, type="rate_limit_error")
+        return w.OpenAIError(429, exc.message, type="rate_limit_error", code="rate_limit_exceeded",
+                             headers=retry_after_headers(exc.retry_after))
     return w.OpenAIError(500, exc.message, type="server_error")
 
 
@@ -266,10 +269,10 @@ class _OpenAIRoute(APIRoute):
             try:
                 return await handler(request)
             except w.OpenAIError as exc:
-                return JSONResponse(exc.body(), exc.status)
+                return JSONResponse(exc.body(), exc.status, headers=exc.headers)
             except ServiceError as exc:
                 error = from_service(exc)
-                return JSONResponse(error.body(), error.status)
+                return JSONResponse(error.body(), error.status, headers=error.headers)
             except Exception as exc:
                 log.exception("openai route %s failed", request.url.path)
                 error = w.OpenAIError(500, f"internal error: {exc}", type="server_error")

@@ -144,6 +144,12 @@ class RayEngine:
     def forward_backward(self, jobs: list[ForwardJob]) -> list[ForwardResult | Failure]:
         return self._call("forward_backward", jobs)
 
+    def hold_grads(self, key: str, run_id: str) -> None:
+        self._call("hold_grads", key, run_id)
+
+    def release_grads(self, key: str, run_id: str, restore: bool) -> None:
+        self._call("release_grads", key, run_id, restore)
+
     def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]:
         return self._call("optim_step", run_id, config)
 

@@ -1,17 +1,46 @@
 """What the engine worker runs next: a pure function over the pending work, no I/O.
 
-A run's requests execute strictly in sequence order, so only the request whose ``seq``
-equals its run's ``next_seq`` is ready. Requests without a run (sampling, creating
-models) are always ready. The oldest ready request picks the operation; every other
-ready request of a batchable operation joins it, so ``forward_backward`` calls of
-different runs share one pass (each run contributes at most its head, which is before
-its next ``optim_step``).
+Order within a run. A run's requests execute strictly in sequence order, so only the
+request whose ``seq`` equals its run's ``next_seq`` is ready. Requests without a run
+(sampling, creating models) are always ready.
 
-Sampling is continuous (``next_work``): the worker keeps one running decode batch;
-every sample request that has arrived joins it at the next decode step, and between
-two steps at most one other batch (training, checkpoints, ...) runs. So training is
-never starved by a long decode (it waits at most one step), and sampling is not stuck
-behind a long queue of training (at most one batch per step).
+Fairness between users: start-time fair queueing by tokens. Each user has a tag, the
+virtual time at which its next request is due: ``max(vtime, finish[user])``, where a
+served request advances its user's ``finish`` by its cost (its tokens plus
+``BASE_COST``) and ``vtime`` is the tag of the batch last started. The ready request of
+the user with the smallest tag heads the next batch (ties: the older request). So a user
+is served in proportion to tokens, not requests: a tenant flooding large
+``forward_backward`` batches runs far ahead of its tag, and a light tenant's next small
+request, due at ``vtime``, goes first as soon as the batch running now ends. A user who
+was idle comes back at ``vtime``, with neither credit nor debt (the usual SFQ rule:
+idling earns nothing to spend later). The state (``Fairness``) is kept by the worker and
+advanced by ``charge``; both functions are pure.
+
+Co-batching. The head's operation decides the batch. For a batchable one (forward,
+forward_backward, sample), other ready requests of that operation join, in tag order,
+while the batch stays within ``max_batch`` requests and ``max_tokens`` tokens (a single
+request over the budget still runs, alone). A request of another user joins only if
+that user is due before the head would finish (``tag <= head tag + head cost``): a light
+tenant's small step is never co-batched with a flooding tenant's large one, which would
+make it wait for the whole large pass, while equally loaded users still share passes,
+and one user's runs share passes freely (each run contributes at most its head, which
+is before its next ``optim_step``). The token budget bounds how long any batch runs,
+hence how long a newly due request waits for the one ahead of it.
+
+Time-slicing. A started pass runs to its end, so a newly due request waits for the pass
+running when it arrives. The worker keeps that pass short: a forward or
+forward_backward request over ``max_pass_tokens`` reaches this function one part at a
+time (``splitting.py``), each part an ordinary item of the request's run and ``seq``, and
+the budget of a forward(_backward) batch is at most ``max_pass_tokens`` too. So the
+choice between users is made again after every pass, and a light tenant beside a flood
+waits about one short pass, not one whole flood request (``benchmarks/fairness.py``
+measures it).
+
+Sampling is continuous (``next_work``): the worker keeps one running decode batch, and
+sample requests are admitted into it, up to ``max_decoding`` at once, in fair order (the
+user with the smallest tag first, each admission charged like a batch of one). Between
+two decode steps at most one other batch (training, checkpoints, ...) runs, so training
+waits at most one decode step, and sampling waits at most one pass.
 """
 
 from __future__ import annotations
@@ -20,6 +49,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BATCHABLE = {"forward", "forward_backward", "sample"}
+PASS_SLICED = {"forward", "forward_backward"}  # split into passes of max_pass_tokens (splitting.py)
+BASE_COST = 32  # tokens' worth charged per request on top of its tokens (optim_step, saves, ...)
 
 
 @dataclass
@@ -32,6 +63,38 @@ class WorkItem:
     seq: int | None = None
     arrival: int = 0
     context: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Fairness:
+    """Fair-queueing state between batches: the virtual time and each user's finish tag
+    (users whose tag fell behind ``vtime`` are dropped: they are due at ``vtime`` anyway)."""
+
+    vtime: float = 0.0
+    finish: dict[str, float] = field(default_factory=dict)
+
+    def tag(self, user_id: str) -> float:
+        """When this user's next request is due."""
+        return max(self.vtime, self.finish.get(user_id, self.vtime))
+
+
+def tokens(item: WorkItem) -> int:
+    """The tokens a request makes the engine process (0 for requests that carry none)."""
+    req = item.request
+    data = getattr(req, "data", None)
+    if data is not None:  # forward, forward_backward
+        return sum(d.model_input.length for d in data)
+    prompt = getattr(req, "prompt", None)
+    if prompt is None:
+        return 0
+    params = getattr(req, "sampling_params", None)
+    if params is None:  # compute_logprobs: one pass over the prompt
+        return int(prompt.length)
+    return int(prompt.length + getattr(req, "num_samples", 1) * (params.max_tokens or 0))
+
+
+def cost(item: WorkItem) -> int:
+    return BASE_COST + tokens(item)
 
 
 def is_ready(item: WorkItem, next_seq: dict[str, int]) -> bool:
@@ -65,27 +128,85 @@ def stalled_runs(pending: list[WorkItem], next_seq: dict[str, int], waited: dict
     }
 
 
-def next_batch(pending: list[WorkItem], next_seq: dict[str, int], max_batch: int = 64) -> list[WorkItem]:
-    """The items to execute together next; empty when nothing is ready."""
-    ready = sorted((i for i in pending if is_ready(i, next_seq)), key=lambda i: i.arrival)
+def next_batch(pending: list[WorkItem], next_seq: dict[str, int], max_batch: int = 64,
+               max_tokens: int | None = None, fair: Fairness | None = None,
+               max_pass_tokens: int | None = None) -> list[WorkItem]:
+    """The items to execute together next; empty when nothing is ready.
+
+    Args:
+        pending: queued requests, any order.
+        next_seq: run -> the seq it may run next.
+        max_batch: most requests in one batch.
+        max_tokens: most tokens in one batch (None: no budget); the head always runs.
+        fair: the fair-queueing state (``charge`` advances it once a batch is taken);
+            None: every user equally due, so the oldest ready request heads the batch.
+        max_pass_tokens: most tokens in a forward or forward_backward batch, when lower
+            than ``max_tokens`` (their large requests come split to this size).
+    """
+    fair = fair or Fairness()
+    ready = sorted((i for i in pending if is_ready(i, next_seq)), key=lambda i: (fair.tag(i.user_id), i.arrival))
     if not ready:
         return []
     head = ready[0]
     if head.op not in BATCHABLE:
         return [head]
-    return [i for i in ready if i.op == head.op][:max_batch]
+    due_by = fair.tag(head.user_id) + cost(head)  # others due before the head would finish may join
+    if head.op in PASS_SLICED:
+        max_tokens = min((b for b in (max_tokens, max_pass_tokens) if b is not None), default=None)
+    batch, used = [head], tokens(head)
+    for item in ready[1:]:
+        if len(batch) >= max_batch:
+            break
+        n = tokens(item)
+        if (item.op == head.op and (max_tokens is None or used + n <= max_tokens)
+                and (item.user_id == head.user_id or fair.tag(item.user_id) <= due_by)):
+            batch.append(item)
+            used += n
+    return batch
+
+
+def charge(fair: Fairness, batch: list[WorkItem]) -> Fairness:
+    """The state after ``batch`` starts: virtual time moves to the head's tag and each
+    request's cost is added to its user's finish tag."""
+    if not batch:
+        return fair
+    vtime = fair.tag(batch[0].user_id)
+    finish = {user: tag for user, tag in fair.finish.items() if tag > vtime}
+    for item in batch:
+        finish[item.user_id] = max(vtime, finish.get(item.user_id, vtime)) + cost(item)
+    return Fairness(vtime, finish)
 
 
 MAX_DECODING = 64  # requests in the running decode batch; later ones join as others leave
 
 
-def next_work(pending: list[WorkItem], next_seq: dict[str, int], decoding: int,
-              max_decoding: int = MAX_DECODING) -> tuple[list[WorkItem], list[WorkItem]]:
-    """(sample requests to admit into the decode batch now, the next other batch to run).
+@dataclass(frozen=True)
+class Work:
+    """What the worker does next: sample requests to admit into the decode batch, the next
+    other batch to run, and the fairness state once both are charged."""
+
+    admit: list[WorkItem]
+    batch: list[WorkItem]
+    fair: Fairness
+
+
+def next_work(pending: list[WorkItem], next_seq: dict[str, int], decoding: int, fair: Fairness | None = None,
+              max_decoding: int = MAX_DECODING, max_tokens: int | None = None,
+              max_pass_tokens: int | None = None) -> Work:
+    """The sample requests to admit now and the next other batch (``next_batch``).
 
     ``decoding`` is how many requests the decode batch holds; admissions fill it up to
-    ``max_decoding``, oldest first.
+    ``max_decoding``, one at a time to the user with the smallest tag (so one user's many
+    samples do not keep another's out of a freed slot), each charged as it is admitted.
     """
+    state = fair or Fairness()
     samples = sorted((i for i in pending if i.op == "sample"), key=lambda i: i.arrival)
+    admit: list[WorkItem] = []
+    while samples and len(admit) < max_decoding - decoding:
+        item = min(samples, key=lambda i: state.tag(i.user_id))  # ties: the older (min keeps the first)
+        samples.remove(item)
+        admit.append(item)
+        state = charge(state, [item])
     others = [i for i in pending if i.op != "sample"]
-    return samples[:max(0, max_decoding - decoding)], next_batch(others, next_seq)
+    batch = next_batch(others, next_seq, max_tokens=max_tokens, fair=state, max_pass_tokens=max_pass_tokens)
+    return Work(admit, batch, charge(state, batch))

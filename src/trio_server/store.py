@@ -1,8 +1,20 @@
 """Persistence through SQLAlchemy Core: SQLite in the data dir by default, or PostgreSQL.
 
 Tables: api_keys (hashed), runs, requests (futures with their serialized results),
-checkpoints, samplers, step_metrics (each run's per-step metrics, one row per value).
+checkpoints, samplers, step_metrics (each run's per-step metrics, one row per value),
+usage (tokens each user's successful requests processed, per run; see ``add_usage``).
 Results are stored as the JSON text that is sent to clients.
+
+Every method is one transaction, run by ``_transaction``. A transaction that fails because
+the connection to the database was lost (a PostgreSQL restart, a killed backend, the
+server not yet accepting connections) is run again, with backoff, for up to
+``retry_seconds``; then the error goes to the caller. Retrying is safe because each
+transaction is idempotent: selects, updates and deletes by key, upserts, and inserts of
+rows with a fresh random key, which a retry first looks for (the lost connection may
+have committed the first attempt). The exception is ``add_usage``, an increment: it runs
+once, not retried. Pooled connections are checked before use
+(``pool_pre_ping``), so connections left over from before a restart are replaced
+rather than failing a request.
 """
 
 from __future__ import annotations
@@ -11,10 +23,16 @@ import datetime as dt
 import hashlib
 import hmac
 import json
+import logging
 import secrets
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
+
+log = logging.getLogger("trio.server")
+T = TypeVar("T")
 
 metadata = sa.MetaData()
 
@@ -25,6 +43,8 @@ api_keys = sa.Table(
     sa.Column("name", sa.String(128), nullable=False),
     sa.Column("created_at", sa.String(32), nullable=False),
     sa.Column("revoked_at", sa.String(32)),  # set by ``trio keys revoke``; a revoked key is refused
+    # tokens (trained + prefilled + sampled) this key may use; NULL: no limit (core._check_budget)
+    sa.Column("budget_tokens", sa.BigInteger),
 )
 runs = sa.Table(
     "runs", metadata,
@@ -81,6 +101,20 @@ step_metrics = sa.Table(
     sa.Column("value", sa.Float, nullable=False),  # double precision on PostgreSQL and SQLite
 )
 
+usage = sa.Table(
+    "usage", metadata,
+    # A key is its own user (``create_api_key`` makes one user per key), so a user's rows
+    # are its key's usage. run_id "" collects sampling that belongs to no run (a sampler
+    # on a base model): a primary key column cannot be NULL.
+    sa.Column("user_id", sa.String(64), primary_key=True),
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("trained", sa.BigInteger, nullable=False, default=0),
+    sa.Column("prefilled", sa.BigInteger, nullable=False, default=0),
+    sa.Column("sampled", sa.BigInteger, nullable=False, default=0),
+)
+NO_RUN = ""
+USAGE_KINDS = ("trained", "prefilled", "sampled")
+
 
 def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
@@ -94,10 +128,17 @@ def hash_key(key: str) -> str:
 
 
 class Store:
-    def __init__(self, url: str):
+    def __init__(self, url: str, retry_seconds: float = 60.0):
+        """Args:
+            url: a SQLAlchemy URL (``sqlite:///...`` or ``postgresql://...``).
+            retry_seconds: how long a transaction that lost its connection is retried.
+        """
         kwargs: dict[str, Any] = {}
         if url.startswith("sqlite"):
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        else:
+            kwargs["pool_pre_ping"] = True
+        self.retry_seconds = retry_seconds
         self.engine = sa.create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -105,11 +146,12 @@ class Store:
         _add_missing_columns(self.engine)
 
     # -- api keys -------------------------------------------------------------------
-    def create_api_key(self, name: str) -> str:
+    def create_api_key(self, name: str, budget_tokens: int | None = None) -> str:
+        """A new key of a new user; ``budget_tokens``: see ``set_budget``."""
         key = "trio-" + secrets.token_urlsafe(32)
         user_id = "user-" + secrets.token_hex(6)
-        with self.engine.begin() as c:
-            c.execute(api_keys.insert().values(key_hash=hash_key(key), user_id=user_id, name=name, created_at=now()))
+        self.insert(api_keys, key_hash=hash_key(key), user_id=user_id, name=name, created_at=now(),
+                    budget_tokens=budget_tokens)
         return key
 
     def user_for_key(self, key: str) -> str | None:
@@ -124,9 +166,9 @@ class Store:
         be refused by the very next request (one indexed SELECT per request is cheap).
         """
         digest = hash_key(key)
-        with self.engine.connect() as c:
-            row = c.execute(sa.select(api_keys.c.key_hash, api_keys.c.user_id, api_keys.c.revoked_at)
-                            .where(api_keys.c.key_hash == digest)).first()
+        query = sa.select(api_keys.c.key_hash, api_keys.c.user_id, api_keys.c.revoked_at).where(
+            api_keys.c.key_hash == digest)
+        row = self._transaction(lambda c: c.execute(query).first())
         if row is None or not hmac.compare_digest(row.key_hash, digest) or row.revoked_at is not None:
             return None
         return str(row.user_id)
@@ -136,10 +178,11 @@ class Store:
         12 hex digits of the key's hash: a handle for revoking, useless for signing in."""
         rows = self.select(api_keys, order_by="created_at")
         return [{"id": r["key_hash"][:KEY_ID_LEN], "name": r["name"], "user_id": r["user_id"],
-                 "created_at": r["created_at"], "revoked_at": r["revoked_at"]} for r in rows]
+                 "created_at": r["created_at"], "revoked_at": r["revoked_at"],
+                 "budget_tokens": r["budget_tokens"]} for r in rows]
 
-    def revoke_api_key(self, id_or_name: str) -> dict:
-        """Revoke the one key whose id (or id prefix) or name is ``id_or_name``.
+    def find_api_key(self, id_or_name: str, action: str = "revoke") -> dict:
+        """The one key (as ``list_api_keys`` lists it) whose id or name is ``id_or_name``.
 
         Raises:
             KeyError: no key, or several, match (the message says which).
@@ -148,21 +191,131 @@ class Store:
         found = [k for k in keys if k["id"] == id_or_name] or [k for k in keys if k["name"] == id_or_name]
         if len(found) != 1:
             ids = ", ".join(k["id"] for k in found)
-            raise KeyError(f"key {id_or_name!r}: " + (f"matches {len(found)} keys ({ids}); revoke by id"
+            raise KeyError(f"key {id_or_name!r}: " + (f"matches {len(found)} keys ({ids}); {action} by id"
                                                       if found else "no key has this id or name"))
-        with self.engine.begin() as c:
-            c.execute(api_keys.update().where(api_keys.c.key_hash.startswith(found[0]["id"]))
-                      .values(revoked_at=found[0]["revoked_at"] or now()))
         return found[0]
+
+    def revoke_api_key(self, id_or_name: str) -> dict:
+        """Revoke the one key whose id or name is ``id_or_name`` (KeyError: see find_api_key)."""
+        key = self.find_api_key(id_or_name)
+        self._update_key(key, revoked_at=key["revoked_at"] or now())
+        return key
+
+    def set_budget(self, id_or_name: str, budget_tokens: int | None) -> dict:
+        """Set a key's token budget (None: unlimited); returns the key as it was.
+
+        The budget bounds the key's total usage (trained + prefilled + sampled, all its
+        runs, since the key was made); raising it lets a key that ran out work again.
+        """
+        key = self.find_api_key(id_or_name, action="set the budget")
+        self._update_key(key, budget_tokens=budget_tokens)
+        return key
+
+    def _update_key(self, key: dict, **values: Any) -> None:
+        """Set columns of one key, found as ``find_api_key`` returned it (by its hash's id prefix)."""
+        query = api_keys.update().where(api_keys.c.key_hash.startswith(key["id"])).values(**values)
+        self._transaction(lambda c: c.execute(query))
+
+    def budget_of(self, user_id: str) -> int | None:
+        """The token budget of this user's key (None: no key, as with --no-auth, or no limit)."""
+        query = sa.select(api_keys.c.budget_tokens).where(api_keys.c.user_id == user_id)
+        return self._transaction(lambda c: c.execute(query).scalar())
+
+    # -- usage ------------------------------------------------------------------------
+    def add_usage(self, user_id: str, run_id: str | None, trained: int, prefilled: int, sampled: int) -> None:
+        """Add one request's tokens to its user's row for its run, in one statement (an
+        upsert that increments), so concurrent workers and processes never lose a count.
+
+        The one transaction not retried after a lost connection: an increment is not
+        idempotent, and a retry after a commit whose acknowledgement was lost would count
+        the request twice. The caller logs the failure; the request itself is unaffected."""
+        if not (trained or prefilled or sampled):
+            return
+        query = self._upsert(usage).values(user_id=user_id, run_id=run_id or NO_RUN, trained=trained,
+                                           prefilled=prefilled, sampled=sampled)
+        query = query.on_conflict_do_update(
+            index_elements=list(usage.primary_key.columns),
+            set_={k: usage.c[k] + query.excluded[k] for k in USAGE_KINDS})
+        with self.engine.begin() as c:
+            c.execute(query)
+
+    def usage_by_run(self, user_id: str, run_id: str | None = None) -> list[dict]:
+        """This user's rows (``run_id``: only that run's): {run_id (None: no run), trained,
+        prefilled, sampled}, by run id."""
+        where = {} if run_id is None else {"run_id": run_id}
+        rows = self.select(usage, user_id=user_id, order_by="run_id", **where)
+        return [{"run_id": r["run_id"] or None, **{k: r[k] for k in USAGE_KINDS}} for r in rows]
+
+    def usage_total(self, user_id: str) -> int:
+        """Every token this user's requests processed: trained + prefilled + sampled."""
+        total = sa.func.coalesce(sa.func.sum(usage.c.trained + usage.c.prefilled + usage.c.sampled), 0)
+        query = sa.select(total).where(usage.c.user_id == user_id)
+        return int(self._transaction(lambda c: c.execute(query).scalar()) or 0)
+
+    def _upsert(self, table: sa.Table) -> Any:
+        """An INSERT that can say ON CONFLICT DO UPDATE, in this database's dialect."""
+        dialect = self.engine.dialect.name
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        elif dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+        else:
+            raise NotImplementedError(f"upserts on {dialect}")
+        return insert(table)
+
+    # -- transactions -------------------------------------------------------------------
+    def _transaction(self, work: Callable[[sa.Connection], T]) -> T:
+        """``work(connection)`` in one transaction, run again while the failure is a lost
+        connection and ``retry_seconds`` have not passed (see the module docstring)."""
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        while True:
+            try:
+                with self.engine.begin() as c:
+                    return work(c)
+            except sa.exc.DBAPIError as exc:
+                if not self._lost_connection(exc) or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("database connection lost (%s); retrying in %.2fs",
+                            str(exc.orig).strip().splitlines()[0] if exc.orig else exc, delay)
+            time.sleep(delay)  # backoff while the database comes back, not a race with a test
+            delay = min(delay * 2, 1.0)
+
+    def _lost_connection(self, exc: sa.exc.DBAPIError) -> bool:
+        """A failure of the connection, not of the statement: retrying may succeed.
+        On PostgreSQL every OperationalError is one (refused, shutting down, starting up,
+        terminated backend); on SQLite only what SQLAlchemy saw invalidate the connection."""
+        if exc.connection_invalidated:
+            return True
+        return self.engine.dialect.name == "postgresql" and isinstance(exc, sa.exc.OperationalError)
 
     # -- generic helpers --------------------------------------------------------------
     def insert(self, table: sa.Table, **values: Any) -> None:
-        with self.engine.begin() as c:
+        """Insert one row. ``values`` must include the primary key, fresh (random) for a new
+        row: a retried attempt finding that key already stored is taken as the first
+        attempt having committed before its connection was lost."""
+        attempts = 0
+
+        def work(c: sa.Connection) -> None:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1 and c.execute(sa.select(table).where(*_key_clause(table, values))).first():
+                return
             c.execute(table.insert().values(**values))
 
+        self._transaction(work)
+
+    def replace(self, table: sa.Table, **values: Any) -> None:
+        """Insert one row, replacing the row with its primary key if there is one."""
+        def work(c: sa.Connection) -> None:
+            c.execute(table.delete().where(*_key_clause(table, values)))
+            c.execute(table.insert().values(**values))
+
+        self._transaction(work)
+
     def update(self, table: sa.Table, key: str, key_value: str, **values: Any) -> None:
-        with self.engine.begin() as c:
-            c.execute(table.update().where(table.c[key] == key_value).values(**values))
+        query = table.update().where(table.c[key] == key_value).values(**values)
+        self._transaction(lambda c: c.execute(query))
 
     def get(self, table: sa.Table, **where: Any) -> dict | None:
         rows = self.select(table, **where)
@@ -174,15 +327,13 @@ class Store:
             query = query.where(table.c[k] == v)
         if order_by:
             query = query.order_by(table.c[order_by])
-        with self.engine.connect() as c:
-            return [dict(r._mapping) for r in c.execute(query)]
+        return self._transaction(lambda c: [dict(r._mapping) for r in c.execute(query)])
 
     def delete(self, table: sa.Table, **where: Any) -> None:
         query = table.delete()
         for k, v in where.items():
             query = query.where(table.c[k] == v)
-        with self.engine.begin() as c:
-            c.execute(query)
+        self._transaction(lambda c: c.execute(query))
 
     # -- step metrics ---------------------------------------------------------------------
     def put_metrics(self, run_id: str, step: int, source: str, metrics: dict[str, float]) -> None:
@@ -192,18 +343,10 @@ class Store:
         rows = [{"run_id": run_id, "step": step, "source": source, "name": k, "value": float(v)}
                 for k, v in metrics.items()]
         # An upsert, in one statement: two writers of one name cannot collide on the key.
-        dialect = self.engine.dialect.name
-        if dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        elif dialect == "sqlite":
-            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
-        else:
-            raise NotImplementedError(f"step metrics on {dialect}")
-        query = insert(step_metrics).values(rows)
+        query = self._upsert(step_metrics).values(rows)
         query = query.on_conflict_do_update(index_elements=list(step_metrics.primary_key.columns),
                                             set_={"value": query.excluded.value})
-        with self.engine.begin() as c:
-            c.execute(query)
+        self._transaction(lambda c: c.execute(query))
 
     def run_metrics(self, run_id: str) -> list[tuple[int, dict[str, float]]]:
         """The run's steps in order, each with its metrics; a client value of a name
@@ -212,33 +355,37 @@ class Store:
                  .where(step_metrics.c.run_id == run_id)
                  .order_by(step_metrics.c.step, step_metrics.c.source.desc(), step_metrics.c.name))
         steps: dict[int, dict[str, float]] = {}
-        with self.engine.connect() as c:
-            for step, _source, name, value in c.execute(query):  # "service" before "client"
-                steps.setdefault(step, {})[name] = value
+        for step, _source, name, value in self._transaction(lambda c: c.execute(query).all()):
+            steps.setdefault(step, {})[name] = value  # "service" before "client"
         return list(steps.items())
 
     def max_seq_by_run(self) -> dict[str, int]:
         query = sa.select(requests.c.run_id, sa.func.max(requests.c.seq)).where(requests.c.seq.is_not(None)).group_by(requests.c.run_id)
-        with self.engine.connect() as c:
-            return {run_id: seq for run_id, seq in c.execute(query)}
+        return self._transaction(lambda c: {run_id: seq for run_id, seq in c.execute(query)})
 
     def fail_pending(self, message: str) -> list[dict]:
         """At start-up: requests left pending by a crash become failed."""
-        pending = self.select(requests, status="pending")
-        with self.engine.begin() as c:
-            c.execute(
-                requests.update().where(requests.c.status == "pending")
-                .values(status="failed", error_category="server", error_message=message)
-            )
-        return pending
+        def work(c: sa.Connection) -> list[dict]:
+            pending = [dict(r._mapping) for r in c.execute(sa.select(requests).where(requests.c.status == "pending"))]
+            c.execute(requests.update().where(requests.c.status == "pending")
+                      .values(status="failed", error_category="server", error_message=message))
+            return pending
+
+        return self._transaction(work)
+
+
+def _key_clause(table: sa.Table, values: dict[str, Any]) -> list[sa.ColumnElement[bool]]:
+    return [column == values[column.name] for column in table.primary_key.columns]
 
 
 def _add_missing_columns(engine: sa.Engine) -> None:
     """Columns added since a database was created (create_all adds only tables)."""
     have = {c["name"] for c in sa.inspect(engine).get_columns("api_keys")}
-    if "revoked_at" not in have:
-        with engine.begin() as c:
-            c.execute(sa.text("ALTER TABLE api_keys ADD COLUMN revoked_at VARCHAR(32)"))
+    added = {"revoked_at": "VARCHAR(32)", "budget_tokens": "BIGINT"}
+    for name, sql_type in added.items():
+        if name not in have:
+            with engine.begin() as c:
+                c.execute(sa.text(f"ALTER TABLE api_keys ADD COLUMN {name} {sql_type}"))
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

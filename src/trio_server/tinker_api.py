@@ -18,7 +18,10 @@ durability are the core's. This module only translates (docs: the tinker protoco
 - Futures. ``retrieve_future`` long-polls the core for up to ``POLL_SECONDS``; a pending
   request answers 408 ``try_again`` (re-polled at once by the SDK), a failed one 200
   ``{error, category}``. Nothing permanent answers 409 or 5xx, which the SDK retries for
-  minutes. ``forward_backward`` bodies and the ``ForwardBackwardOutput`` and
+  minutes. A submit past a queue bound (``Limits.max_pending_*``) answers 429 with
+  ``Retry-After``/``retry-after-ms``, which the SDK honours and resends (for up to 5
+  minutes); since its key names the seq, a resend of an accepted one is never refused.
+  ``forward_backward`` bodies and the ``ForwardBackwardOutput`` and
   ``SampleResponse`` results are protobuf (``tinker_wire``), the rest JSON.
 - Keys. ``X-API-Key: tml-<TRIO key>``; with ``--no-auth`` any ``tml-`` key is accepted.
 """
@@ -225,8 +228,8 @@ class TinkerDoor:
                 del self.ops[next(iter(self.ops))]
             return request_id
         except ServiceError as exc:
-            if exc.category == "authentication":
-                raise
+            if exc.category in ("authentication", "capacity"):
+                raise  # capacity: a 429 with Retry-After, which the SDK waits out and resends
             if key and (existing := self.core.request_for_key(user_id, key)):
                 return existing  # refused but registered (over a limit): its future says why
             return self.local_future(user_id, self._raise(exc))

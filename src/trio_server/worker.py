@@ -1,16 +1,21 @@
 """One worker thread per base model: schedule -> execute -> resolve, over one engine.
 
-The worker owns its queue. ``scheduler.next_work`` (pure) picks what runs next,
+The worker owns its queue and the fair-queueing state between users.
+``scheduler.next_work`` (pure) picks what runs next and bills it to its users,
 ``handlers.execute`` runs it on the engine, and the core's ``resolve`` stores each
 outcome and wakes its waiters.
 
 Sampling is continuous batching: the worker keeps a decode batch running in the engine.
-Each turn of the loop admits the sample requests that arrived, runs at most one other
-batch (training etc.), then one decode step (``handlers.decode``), and resolves every
-request that finished in that step at once, so a short request never waits for a long
-one it shares the batch with. When idle, the worker lets runs whose client went
-quiet leave memory (``Engine.offload``), and lets a run continue past a sequence
-number that never arrived.
+Each turn of the loop admits the sample requests that arrived (``scheduler.next_work``),
+runs at most one other batch (training etc.), then one decode step
+(``handlers.decode``), and resolves every request that finished in that step at once, so
+a short request never waits for a long one it shares the batch with. A large forward or forward_backward request is queued
+one part at a time (``splitting.py``): after each part the worker queues the next (due
+by its user's tag, so other users may go first), and resolves the request once, when
+its last part is done or one failed (``handlers.finish_split`` then merges the parts'
+results, or rolls the run's grads back to before the first part). When idle, the
+worker lets runs whose client went quiet leave memory (``Engine.offload``), and lets a
+run continue past a sequence number that never arrived.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from dataclasses import dataclass
 
 from . import handlers
 from .errors import ServiceError
-from .handlers import Context, Result, execute
-from .scheduler import WorkItem, next_work, stalled_runs
+from .handlers import Context, Result, execute, finish_split
+from .queueing import OpDurations, QueueInfo, estimate_start
+from .scheduler import Fairness, Work, WorkItem, next_work, stalled_runs
+from .splitting import Split, maybe_split, merge_elapsed, split_of
 
 log = logging.getLogger("trio.server")
 
@@ -40,7 +47,8 @@ class Sequencing:
 
 class HostWorker:
     def __init__(self, ctx: Context, resolve: Callable[[WorkItem, Result], None], order: Sequencing,
-                 idle_offload_seconds: float):
+                 idle_offload_seconds: float, max_batch_tokens: int | None = None,
+                 max_pass_tokens: int | None = None):
         self.ctx = ctx
         self.engine = ctx.engine
         self.resolve = resolve
@@ -48,10 +56,16 @@ class HostWorker:
         self.idle_offload_seconds = idle_offload_seconds
         self.pending: list[WorkItem] = []
         self.running: set[str] = set()
+        self.running_op = ""  # the op of the running batch (when ``running``)
         self.cond = threading.Condition()
         self._stopped = False
         self.last_used: dict[str, float] = {}  # run id -> when a request last touched it (resident runs)
         self.queued_at: dict[str, float] = {}  # request id -> when it was queued
+        self.durations = OpDurations()  # recent batch times per op, for queue estimates
+        self.batch_started = 0.0  # when the running batch started (monotonic)
+        self.max_batch_tokens = max_batch_tokens
+        self.max_pass_tokens = max_pass_tokens  # larger forward(_backward) requests run in parts (splitting.py)
+        self.fair = Fairness()  # fair queueing between users (scheduler.py), advanced per batch
         self.decoding: dict[str, WorkItem] = {}  # request id -> sample request in the decode batch
         self.admitted_at: dict[str, float] = {}  # request id -> when it joined the decode batch
         self.decode_steps = 0  # decode steps run so far (tests and metrics watch it)
@@ -59,6 +73,10 @@ class HostWorker:
         self.thread.start()
 
     def enqueue(self, item: WorkItem) -> None:
+        """Queue a request: itself, or its first part if it is to run in parts."""
+        self._queue(maybe_split(item, self.max_pass_tokens))
+
+    def _queue(self, item: WorkItem) -> None:
         with self.cond:
             self.queued_at[item.request_id] = time.monotonic()
             self.pending.append(item)
@@ -68,12 +86,19 @@ class HostWorker:
         with self.cond:
             return list(self.pending)
 
-    def position(self, request_id: str) -> int | None:
+    def queue_info(self, request_id: str, now: float | None = None) -> QueueInfo | None:
+        """Where a request of this host stands (see queueing.py); None if not here."""
         with self.cond:
             if request_id in self.running:
-                return 0
-            ids = [i.request_id for i in sorted(self.pending, key=lambda i: i.arrival)]
-            return ids.index(request_id) + 1 if request_id in ids else None
+                return QueueInfo(running=True, position=0, starts_in=0.0)
+            item = next((i for i in self.pending if i.request_id == request_id), None)
+            if item is None:
+                return None
+            ahead = [i.op for i in self.pending if i.arrival < item.arrival]
+            running_op = self.running_op if self.running else None
+            running_for = (time.monotonic() if now is None else now) - self.batch_started
+            return QueueInfo(running=False, position=len(self.running) + len(ahead),
+                             starts_in=estimate_start(self.durations, ahead, running_op, running_for))
 
     def stop(self) -> None:
         with self.cond:
@@ -99,22 +124,28 @@ class HostWorker:
     def _run_batch(self, batch: list[WorkItem]) -> None:
         try:
             results = self._execute(batch)
+            with self.cond:
+                self.durations.record(batch[0].op, time.monotonic() - self.batch_started)
             for item in batch:
                 run_id = item.run_id or item.context.get("run_id")  # create_model names its run here
                 if run_id is not None:
                     self.last_used[run_id] = time.monotonic()
             for item, result in zip(batch, results):
-                self.resolve(item, result)
+                split = split_of(item)
+                if split is None:
+                    self.resolve(item, result)
+                else:
+                    self._part_done(split, result)
         finally:
             self._done(batch)
 
     def _decode(self, admit: list[WorkItem]) -> None:
         """Admit new sample requests, run one decode step, resolve those that finished."""
         live = list(self.decoding)
-        now = time.monotonic()
+        started = time.monotonic()
         for item in admit:
             self.decoding[item.request_id] = item
-            self.admitted_at[item.request_id] = now
+            self.admitted_at[item.request_id] = started
         try:
             results = handlers.decode(self.ctx, admit, live)
         except Exception as exc:  # a bug: fail the batch's requests, keep the thread (see _execute)
@@ -122,6 +153,8 @@ class HostWorker:
             error = ServiceError("server", f"internal error while sampling: {type(exc).__name__}: {exc}", 500)
             results = dict.fromkeys(self.decoding, (None, error))
         self.decode_steps += 1
+        with self.cond:  # a queued sample waits about one step to join (queueing.py)
+            self.durations.record("sample", time.monotonic() - started)
         finished = [self.decoding.pop(rid) for rid in results if rid in self.decoding]
         try:
             for item in finished:
@@ -134,6 +167,21 @@ class HostWorker:
     def _done(self, items: list[WorkItem]) -> None:
         with self.cond:
             self.running.difference_update(i.request_id for i in items)
+
+    def _part_done(self, split: Split, result: Result) -> None:
+        """Queue the request's next part, or resolve the request: all parts done, or one failed."""
+        merge_elapsed(result[0], split)
+        error = result[1]
+        if error is None and not split.last:
+            split.index += 1
+            self._queue(split.part())  # due by its user's tag, like any request: others may go first
+            return
+        try:
+            outcome = finish_split(self.ctx, split, error)
+        except Exception as exc:  # a bug merging must fail this request, not end the thread
+            log.exception("request=%s: unexpected error finishing its parts", split.whole.request_id)
+            outcome = (None, ServiceError("server", f"internal error merging parts: {type(exc).__name__}: {exc}", 500))
+        self.resolve(split.whole, outcome)
 
     def _execute(self, batch: list[WorkItem]) -> list[Result]:
         """``execute``, except that a bug escaping it fails this batch's requests with a server
@@ -152,15 +200,22 @@ class HostWorker:
         with self.cond:
             if self._stopped:
                 return None
-            admit, batch = next_work(self.pending, self.order.next_seq, len(self.decoding))
-            if not admit and not batch and not self.decoding:
+            work = self._next_work()
+            if not work.admit and not work.batch and not self.decoding:
                 self.cond.wait(timeout=1.0)
-                admit, batch = next_work(self.pending, self.order.next_seq, len(self.decoding))
-            for item in admit + batch:
+                work = self._next_work()
+            self.fair = work.fair
+            for item in work.admit + work.batch:
                 self.pending.remove(item)
                 self.queued_at.pop(item.request_id, None)
                 self.running.add(item.request_id)
-            return admit, batch
+            if work.batch:
+                self.running_op, self.batch_started = work.batch[0].op, time.monotonic()
+            return work.admit, work.batch
+
+    def _next_work(self) -> Work:
+        return next_work(self.pending, self.order.next_seq, len(self.decoding), self.fair,
+                         max_tokens=self.max_batch_tokens, max_pass_tokens=self.max_pass_tokens)
 
     def _skip_missing_seqs(self) -> None:
         with self.cond:

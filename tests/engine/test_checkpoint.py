@@ -72,21 +72,34 @@ def test_load_without_optimizer_resets_moments(tiny_host, new_id, tmp_path):
             torch.testing.assert_close(p, ref[k].detach(), atol=1e-6, rtol=1e-5)
 
 
-def test_peft_loads_our_sampler_weights(tiny_host, new_id, tmp_path):
+def test_peft_loads_our_sampler_weights(family_host, new_id, tmp_path):
+    """Every family: peft, given our sampler weights, computes our logprobs; and our
+    loader reads the folder back to the same tensors (Phi-3's fused names included)."""
     peft = pytest.importorskip("peft")
+    host = family_host
     aid = new_id()
-    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=2))
-    randomize_adapter(tiny_host, aid, seed=8, scale=0.1)
-    tiny_host.save_sampler_weights(aid, tmp_path)
-    ex = random_example(tiny_host.vocab_size, 12, random.Random(4))
-    ours = tiny_host.forward([ForwardJob(aid, [ex])])[0].logprobs[0]
+    host.create_adapter(aid, LoraConfig(rank=4, seed=2))
+    randomize_adapter(host, aid, seed=8, scale=0.1)
+    host.save_sampler_weights(aid, tmp_path)
+    ex = random_example(host.vocab_size, 12, random.Random(4))
+    ours = host.forward([ForwardJob(aid, [ex])])[0].logprobs[0]
 
-    model = peft.PeftModel.from_pretrained(plain_model("trio/tiny-llama"), str(tmp_path))
-    logits = model(input_ids=torch.tensor([ex.tokens])).logits[0].float()
+    model = peft.PeftModel.from_pretrained(plain_model(host.model_name), str(tmp_path))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ex.tokens])).logits[0].float()
+        base = plain_model(host.model_name)(input_ids=torch.tensor([ex.tokens])).logits[0]
     theirs = torch.log_softmax(logits, -1).gather(1, torch.tensor(ex.inputs["target_tokens"])[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(ours), theirs, atol=1e-5, rtol=1e-5)
-    base = plain_model("trio/tiny-llama")(input_ids=torch.tensor([ex.tokens])).logits[0]
     assert not torch.allclose(logits, base, atol=1e-3)  # the adapter really was applied
+    lora_layers = {name for name, _ in model.named_modules() if name.endswith(".lora_A")}
+    assert len(lora_layers) == len(host.adapter_params(aid)) // 2  # peft adapted every layer we did
+
+    host.load_sampler_weights(aid + "-back", str(tmp_path))
+    back = host.adapter_params(aid + "-back")
+    assert back.keys() == host.adapter_params(aid).keys()
+    assert all(torch.equal(back[k], p) for k, p in host.adapter_params(aid).items())
+    for a in (aid, aid + "-back"):
+        host.delete_adapter(a)
 
 
 def test_sampler_weights_round_trip(tiny_host, new_id, tmp_path):
@@ -97,3 +110,83 @@ def test_sampler_weights_round_trip(tiny_host, new_id, tmp_path):
     tiny_host.load_sampler_weights(aid + "-s", str(tmp_path))
     for k, p in tiny_host.adapter_params(aid).items():
         assert torch.equal(tiny_host.adapter_params(aid + "-s")[k], p)
+
+
+# -- atomic folder writes: a failed write leaves the previous checkpoint as it was ------------
+
+def _tree(folder):
+    """{relative path: bytes} of every file under ``folder``."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _saved_checkpoint(tmp_path):
+    from trio_engine.checkpoint import write_folder
+
+    folder = tmp_path / "run" / "weights" / "ckpt"
+    write_folder(folder, lambda tmp: [(tmp / n).write_text(n * 3) for n in ("a.safetensors", "meta.json")])
+    return folder, _tree(folder)
+
+
+def test_a_disk_full_mid_write_keeps_the_old_folder_and_leaves_no_debris(tmp_path):
+    import errno
+
+    from trio_engine import CheckpointWriteError
+    from trio_engine.checkpoint import write_folder
+
+    folder, before = _saved_checkpoint(tmp_path)
+
+    def fill_until_full(tmp):
+        (tmp / "a.safetensors").write_text("new")  # half the files written, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointWriteError, match=r"No space left on device \(ENOSPC\)") as info:
+        write_folder(folder, fill_until_full)
+    assert info.value.errno == errno.ENOSPC and "ckpt" in str(info.value)
+    assert _tree(folder) == before
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["ckpt"]
+
+
+def test_a_failed_rename_into_place_puts_the_old_folder_back(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    from trio_engine import CheckpointWriteError
+    from trio_engine.checkpoint import write_folder
+
+    folder, before = _saved_checkpoint(tmp_path)
+    real_rename = Path.rename
+
+    def rename(self, target):
+        if ".tmp-" in self.name:  # the new folder cannot go in; the old one was already aside
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(CheckpointWriteError, match="EROFS"):
+        write_folder(folder, lambda tmp: (tmp / "a.safetensors").write_text("new"))
+    assert _tree(folder) == before
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["ckpt"]
+
+
+def test_an_overwrite_replaces_the_whole_folder(tmp_path):
+    from trio_engine.checkpoint import write_folder
+
+    folder, _ = _saved_checkpoint(tmp_path)
+    write_folder(folder, lambda tmp: (tmp / "b.json").write_text("b"))
+    assert _tree(folder) == {"b.json": b"b"}  # no file of the old one left behind
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["ckpt"]
+
+
+def test_recover_folders_undoes_a_crash_between_the_two_renames(tmp_path):
+    from trio_engine.checkpoint import recover_folders
+
+    kind = tmp_path / "run-1" / "weights"
+    (kind / ".lost.old-7-8").mkdir(parents=True)  # crashed after moving "lost" aside
+    (kind / ".lost.old-7-8" / "a").write_text("old")
+    (kind / "kept").mkdir()  # crashed after the new "kept" went in, before the old was removed
+    (kind / "kept" / "a").write_text("new")
+    (kind / ".kept.old-7-8").mkdir()
+    (kind / ".half.tmp-7-8").mkdir()  # crashed while writing
+    recover_folders(tmp_path)
+    assert sorted(p.name for p in kind.iterdir()) == ["kept", "lost"]
+    assert (kind / "lost" / "a").read_text() == "old" and (kind / "kept" / "a").read_text() == "new"

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from trio_engine import Example, ForwardJob, InvalidInputError, LoraConfig
+from trio_engine.model import LogitTransform
 
 from .helpers import (
     assert_same_snapshot,
+    merged_model,
     plain_model,
     random_example,
     randomize_adapter,
@@ -20,13 +22,18 @@ from .helpers import (
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("host_fixture, name", [("tiny_host", "trio/tiny-llama"), ("qwen_host", "trio/tiny-qwen3")])
-def test_logprobs_match_plain_transformers(request, host_fixture, name):
-    host = request.getfixturevalue(host_fixture)
+def test_logprobs_match_plain_transformers(family_host, new_id):
+    """Every family (its LoRA targets and its logit transform) against a plain transformers
+    forward of the base with W0 + (alpha/r)·B·A merged by hand (B random, non-zero).
+    The base without adapter is covered by the sampler's greedy and logprob tests."""
+    host = family_host
+    aid = new_id()
+    host.create_adapter(aid, LoraConfig(rank=4, seed=3))
+    randomize_adapter(host, aid, seed=6, scale=0.1)
     rng = random.Random(0)
     data = [random_example(host.vocab_size, n, rng) for n in (5, 17, 9)]
-    result = host.forward([ForwardJob(None, data)])[0]
-    ref_model = plain_model(name)
+    result = host.forward([ForwardJob(aid, data)])[0]
+    ref_model = merged_model(host, aid)
     for ex, lp, loss in zip(data, result.logprobs, result.elementwise_loss):
         ref = reference_logprobs(ref_model, ex.tokens, ex.inputs["target_tokens"])
         torch.testing.assert_close(torch.tensor(lp), ref, atol=TOL, rtol=TOL)
@@ -34,6 +41,25 @@ def test_logprobs_match_plain_transformers(request, host_fixture, name):
         torch.testing.assert_close(torch.tensor(loss), expected_loss, atol=TOL, rtol=TOL)
     total = sum(sum(x) for x in result.elementwise_loss)
     assert result.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
+    assert not torch.allclose(torch.tensor(result.logprobs[0]), reference_logprobs(
+        plain_model(host.model_name), data[0].tokens, data[0].inputs["target_tokens"]), atol=1e-3)
+    host.delete_adapter(aid)
+
+
+@pytest.mark.parametrize("family_host", ["gemma2", "gemma3_text", "cohere", "granite"], indirect=True)
+def test_family_logit_transform_matters(family_host):
+    """Where a family transforms lm_head's output, leaving it out moves the logprobs far
+    beyond TOL, so the parity test above would catch its loss."""
+    host = family_host
+    assert host.unembed.transform != LogitTransform()
+    ex = random_example(host.vocab_size, 9, random.Random(1))
+    model = plain_model(host.model_name)
+    ids = torch.tensor([ex.tokens])
+    with torch.no_grad():
+        raw = model.lm_head(model.get_decoder()(input_ids=ids).last_hidden_state)[0]
+    targets = torch.tensor(ex.inputs["target_tokens"])
+    untransformed = torch.log_softmax(raw, -1).gather(1, targets[:, None])[:, 0]
+    assert (untransformed - reference_logprobs(model, ex.tokens, ex.inputs["target_tokens"])).abs().max() > 1e-2
 
 
 def test_result_does_not_depend_on_batch(tiny_host, new_id):
@@ -51,6 +77,46 @@ def test_result_does_not_depend_on_batch(tiny_host, new_id):
     for ex, lp in zip(data, batched):
         alone = tiny_host.forward([ForwardJob(aid, [ex])])[0].logprobs[0]
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(alone), atol=TOL, rtol=TOL)
+
+
+def test_chunked_unembedding_equals_one_pass(tiny_host, new_id, monkeypatch):
+    """The unembedding + log-softmax in chunks of 7 rows (several per datum, some holding
+    rows of two adapters, all with an lm_head LoRA) gives the logprobs, losses and grads
+    of a single (N, V) pass, forward and forward_backward."""
+    from trio_engine import host as host_module
+
+    vocab = tiny_host.vocab_size
+    ids = [new_id(), new_id()]
+    for i, aid in enumerate(ids):
+        tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=i))
+        randomize_adapter(tiny_host, aid, seed=10 + i)
+    rng = random.Random(5)
+    jobs = [ForwardJob(ids[0], [random_example(vocab, n, rng) for n in (13, 5)]),
+            ForwardJob(ids[1], [random_example(vocab, 11, rng)])]
+    chunk_sizes: list[int] = []
+    run_chunk = tiny_host._chunk_logprobs
+    monkeypatch.setattr(tiny_host, "_chunk_logprobs", lambda h, *rest: chunk_sizes.append(len(h)) or run_chunk(h, *rest))
+
+    def run(chunk_elements):
+        monkeypatch.setattr(host_module, "LOGIT_CHUNK_ELEMENTS", chunk_elements)
+        results = tiny_host.forward_backward(jobs)
+        grads = {a: {k: p.grad.clone() for k, p in tiny_host.adapter_params(a).items()} for a in ids}
+        for a in ids:
+            tiny_host.zero_grad(a)
+        return results, grads, tiny_host.forward(jobs)
+
+    chunked, chunked_grads, chunked_fwd = run(7 * vocab)
+    assert max(chunk_sizes) == 7 and len(chunk_sizes) > 8  # really chunked (fwd + recompute)
+    whole, whole_grads, whole_fwd = run(10**12)
+    for mine, ref in zip(chunked + chunked_fwd, whole + whole_fwd):
+        for field in ("logprobs", "elementwise_loss"):
+            for x, y in zip(getattr(mine, field), getattr(ref, field)):
+                torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=TOL, rtol=TOL)
+    for a in ids:
+        assert whole_grads[a]["lm_head.lora_B"].abs().sum() > 0
+        for k, g in whole_grads[a].items():
+            torch.testing.assert_close(chunked_grads[a][k], g, atol=TOL, rtol=1e-4)  # sums in another order
+        tiny_host.delete_adapter(a)
 
 
 def test_grads_accumulate_and_forward_adds_none(tiny_host, new_id):

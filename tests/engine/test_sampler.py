@@ -1,18 +1,28 @@
 """Sampler vs plain transformers: greedy loops, logprobs, draws vs softmax(logits / T); stops, seeds."""
 
+import copy
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from trio_engine import (
     Example,
     ForwardJob,
     InvalidInputError,
     LoraConfig,
+    ModelHost,
     SampleRequest,
     SamplingConfig,
 )
 
-from .helpers import merged_model, randomize_adapter, reference_logprobs, reference_next_logits
+from .helpers import (
+    TEST_CATALOG,
+    merged_model,
+    randomize_adapter,
+    reference_logprobs,
+    reference_next_logits,
+)
 
 PROMPTS = [[1, 5, 9, 200, 31], [7, 7], [300, 2, 48, 1000, 5, 6, 90, 12]]
 
@@ -70,6 +80,27 @@ def test_sampler_logprobs_equal_trainer_logprobs(tiny_host, adapted):
             assert max(abs(a - b) for a, b in zip(seq.logprobs, trainer)) < 1e-4
 
 
+def test_every_family_samples_with_trainer_logprobs(family_host, new_id):
+    """Each family: sampled tokens' logprobs (KV-cache decode, left-padded prefill) equal
+    the trainer's for the same sequence, and greedy decoding follows a plain transformers
+    argmax loop of the base with the adapter merged by hand (the family's head included)."""
+    host = family_host
+    aid = new_id()
+    host.create_adapter(aid, LoraConfig(rank=4, seed=1))
+    randomize_adapter(host, aid, seed=5, scale=0.2)
+    prompts = PROMPTS[:1] + PROMPTS[2:]
+    cfg = SamplingConfig(max_tokens=6, temperature=1.0, seed=3)
+    for prompt, result in zip(prompts, host.sample([SampleRequest(aid, p, 2, cfg) for p in prompts])):
+        for seq in result.sequences:
+            full = prompt + seq.tokens
+            ex = Example(full[:-1], {"target_tokens": full[1:]})
+            trainer = host.forward([ForwardJob(aid, [ex])])[0].logprobs[0][len(prompt) - 1 :]
+            torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(trainer), atol=1e-4, rtol=1e-4)
+    greedy = host.sample([SampleRequest(aid, PROMPTS[2], 1, SamplingConfig(max_tokens=4, temperature=0.0))])
+    assert greedy[0].sequences[0].tokens == greedy_reference(merged_model(host, aid), PROMPTS[2], 4)
+    host.delete_adapter(aid)
+
+
 def test_mixed_adapters_and_requests_equal_solo(tiny_host, adapted):
     greedy = SamplingConfig(max_tokens=5, temperature=0.0)
     reqs = [SampleRequest(adapted, PROMPTS[0], 1, greedy), SampleRequest(None, PROMPTS[0], 1, greedy),
@@ -87,6 +118,19 @@ def test_seed_reproduces_and_varies(tiny_host):
     assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
     assert [s.tokens for s in a.sequences] != [s.tokens for s in c.sequences]
     assert len({tuple(s.tokens) for s in a.sequences}) > 1  # samples of one request differ
+
+
+def test_a_draw_at_the_very_top_of_the_cdf_stays_in_the_vocabulary():
+    """u = rand * cdf[-1] can round up to cdf[-1]; searchsorted then points one past the end."""
+    from trio_engine import sampler
+
+    probs = torch.tensor([[0.25, 0.25, 0.5], [1.0, 0.0, 0.0]])
+    assert sampler._inverse_cdf(probs, torch.ones(2, 1)).tolist() == [2, 2]
+
+
+def test_prompt_logprobs_come_only_when_asked(tiny_host):
+    plain = tiny_host.sample([SampleRequest(None, PROMPTS[2], 1, SamplingConfig(max_tokens=1))])[0]
+    assert plain.prompt_logprobs is None
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(tiny_host):
@@ -133,9 +177,10 @@ def test_compute_logprobs_match_plain_forward(tiny_host, adapted, reference_mode
 
 # -- the distribution of draws ------------------------------------------------------------
 
-# The random-init tiny model's logits have a std of ~0.2 over 49k tokens: nearly uniform
-# at any temperature. An lm_head adapter with large B spreads them to a std of a few nats,
-# so that T visibly reshapes the next-token distribution.
+# The draws come from a tiny Llama with a 512-token vocabulary: thousands of draws over
+# 49k tokens would spend their time sorting logits (top-p), not testing anything more.
+# Its random-init logits are nearly uniform at any temperature; an lm_head adapter with
+# large B spreads them to a std of a few nats, so that T visibly reshapes the distribution.
 DIST_PROMPT = [1, 5, 9, 200, 31]
 DIST_SEEDS = (11, 12)  # one request of 1024 samples per seed
 DRAWS = 1024 * len(DIST_SEEDS)
@@ -144,13 +189,26 @@ Z_MAX = 4.5  # tolerated |observed - expected| per bin, in binomial standard dev
 
 
 @pytest.fixture(scope="module")
-def sharp(tiny_host):
+def small_vocab_host(tiny_host, tmp_path_factory):
+    """The tiny Llama's shape with a 512-token vocabulary (the tokenizer decodes its ids)."""
+    config = copy.deepcopy(tiny_host.model.config)
+    config.vocab_size = 512
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("small-vocab")
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tiny_host.tokenizer.save_pretrained(folder)
+    TEST_CATALOG.add_folder("small-vocab", folder)  # where the reference helpers look too
+    return ModelHost("small-vocab", dtype="float32", catalog=TEST_CATALOG)
+
+
+@pytest.fixture(scope="module")
+def sharp(small_vocab_host):
     """(adapter id, the plain merged model's next-token logits (V,) after DIST_PROMPT)."""
     aid = "sampler-sharp"
-    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=2, train_attn=False, train_mlp=False))
-    randomize_adapter(tiny_host, aid, seed=7, scale=0.3)
-    yield aid, reference_next_logits(merged_model(tiny_host, aid), DIST_PROMPT)
-    tiny_host.delete_adapter(aid)
+    small_vocab_host.create_adapter(aid, LoraConfig(rank=4, seed=2, train_attn=False, train_mlp=False))
+    randomize_adapter(small_vocab_host, aid, seed=7, scale=0.3)
+    yield aid, reference_next_logits(merged_model(small_vocab_host, aid), DIST_PROMPT)
+    small_vocab_host.delete_adapter(aid)
 
 
 def filtered_distribution(logits, temperature, top_k=-1, top_p=1.0):
@@ -202,7 +260,7 @@ def bin_z_scores(counts, p):
     "temperature, top_k, top_p",
     [(0.5, -1, 1.0), (2.0, -1, 1.0), (0.5, 40, 1.0), (2.0, 40, 1.0), (0.5, -1, 0.8), (2.0, 300, 0.7)],
 )
-def test_draws_follow_softmax_over_temperature(tiny_host, sharp, temperature, top_k, top_p):
+def test_draws_follow_softmax_over_temperature(small_vocab_host, sharp, temperature, top_k, top_p):
     """Many one-token draws match softmax(logits / T) (then top-k, top-p) of a plain forward."""
     aid, logits = sharp
     requests = [
@@ -210,7 +268,7 @@ def test_draws_follow_softmax_over_temperature(tiny_host, sharp, temperature, to
                       SamplingConfig(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=s))
         for s in DIST_SEEDS
     ]
-    seqs = [seq for result in tiny_host.sample(requests) for seq in result.sequences]
+    seqs = [seq for result in small_vocab_host.sample(requests) for seq in result.sequences]
     drawn = torch.tensor([seq.tokens[0] for seq in seqs])
     assert len(drawn) == DRAWS
 

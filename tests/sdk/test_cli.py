@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pytrio.cli import CommandError, human_size, table, unpack, when
+from pytrio import types as t
+from pytrio.cli import CommandError, human_size, table, unpack, usage_table, when
 
 
 @pytest.mark.parametrize("n, shown", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"),
@@ -31,6 +32,23 @@ def test_table_pads_columns_and_right_aligns_numbers():
         "run-22   128",
     ]
     assert table(["A", "B"], []) == "A  B"
+
+
+def test_usage_table_has_a_row_per_run_a_total_and_the_budget_left():
+    runs = [t.RunUsage(run_id=None, prefilled=2, sampled=5),
+            t.RunUsage(run_id="run-1", trained=12000, prefilled=10, sampled=3)]
+    usage = t.Usage(trained=12000, prefilled=12, sampled=8, budget_tokens=20000, runs=runs)
+    assert usage_table(usage).splitlines() == [
+        "RUN                    TRAINED  PREFILLED  SAMPLED   TOTAL",
+        "(base model sampling)        0          2        5       7",
+        "run-1                   12,000         10        3  12,013",
+        "TOTAL                   12,000         12        8  12,020",
+        "budget: 20,000 tokens, 7,980 left",
+    ]
+    spent = usage.model_copy(update={"budget_tokens": 12_000})
+    assert usage_table(spent).splitlines()[-1] == "budget: 12,000 tokens, 0 left (spent: new work is refused)"
+    assert usage_table(t.Usage()).splitlines()[-2:] == ["TOTAL        0          0        0      0",
+                                                          "budget: no limit"]
 
 
 def test_when_shows_utc_seconds():

@@ -70,6 +70,36 @@ def test_revoke_by_name_and_unknown_or_ambiguous_names(server):
     assert twice.returncode != 0 and "matches 2 keys" in twice.stderr
 
 
+def test_keys_carry_a_token_budget_that_the_running_server_applies_at_once(server):
+    import pytrio as trio
+
+    def listed_line() -> list[str]:
+        listed = trio_cli("keys", "list", "--data-dir", str(server.data_dir)).stdout
+        assert listed.splitlines()[0].split() == ["ID", "NAME", "CREATED", "BUDGET", "USED", "REVOKED"]
+        return next(ln for ln in listed.splitlines() if " capped " in ln).split()
+
+    made = trio_cli("keys", "create", "--name", "capped", "--budget-tokens", "6", "--data-dir", str(server.data_dir))
+    assert made.returncode == 0, made.stderr
+    assert listed_line()[-3:] == ["6", "0", "-"]  # budget, used, not revoked
+    tc = trio.ServiceClient(base_url=server.url, api_key=made.stdout.strip()).create_lora_training_client(
+        base_model="trio/tiny-llama", rank=2)
+    toks = list(range(1, 8))
+    data = [trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})]
+    tc.forward(data).result()
+    assert listed_line()[-3:] == ["6", "6", "-"]
+    with pytest.raises(trio.ValidationError, match="budget of 6"):
+        tc.forward(data).result()
+
+    lifted = trio_cli("keys", "budget", "capped", "none", "--data-dir", str(server.data_dir))
+    assert lifted.returncode == 0 and "no limit" in lifted.stdout, lifted.stderr
+    assert listed_line()[-3:] == ["-", "6", "-"]
+    tc.forward(data).result()  # the server reads the budget at each submit: no restart
+    bad = trio_cli("keys", "budget", "capped", "lots", "--data-dir", str(server.data_dir))
+    assert bad.returncode != 0 and "'lots'" in bad.stderr
+    missing = trio_cli("keys", "budget", "no-such-key", "9", "--data-dir", str(server.data_dir))
+    assert missing.returncode != 0 and "'no-such-key'" in missing.stderr and "set the budget by id" not in missing.stderr
+
+
 def test_key_check_compares_digests_in_constant_time(server, monkeypatch):
     import hmac
 
@@ -346,5 +376,8 @@ def test_a_database_from_before_revocation_gains_the_column(tmp_path):
         c.exec_driver_sql(f"INSERT INTO api_keys VALUES ('{hash_key('trio-old')}', 'user-old', 'old', 'then')")
     store = Store(url)
     assert store.user_for_key("trio-old") == "user-old"
+    assert store.budget_of("user-old") is None  # budget_tokens added too: an old key has no limit
+    store.set_budget("old", 7)
+    assert store.budget_of("user-old") == 7
     store.revoke_api_key("old")
     assert store.user_for_key("trio-old") is None

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from trio_server.cli import build_parser, listen
+from trio_server.cli import build_parser, limits_from, listen
 
 
 def test_listening_socket_reports_its_port_and_disables_nagle():
@@ -25,9 +25,35 @@ def test_serve_flags():
     assert (args.engine, args.device, args.ray_place) == ("ray", "cuda:1", [("org/model", "gpu_a100"), ("m2", "x")])
 
 
+def test_max_pass_tokens_flag_and_zero_for_never_split():
+    from trio_server.core import Limits
+
+    def limits(*argv: str) -> Limits:
+        return limits_from(build_parser().parse_args(["serve", *argv]))
+
+    assert limits().max_pass_tokens == Limits().max_pass_tokens is not None
+    assert limits("--max-pass-tokens", "96", "--max-batch-tokens", "512").max_pass_tokens == 96
+    assert limits("--max-pass-tokens", "0").max_pass_tokens is None
+
+
 @pytest.mark.parametrize("argv", [["--device", "gpu"], ["--device", "cuda:x"], ["--engine", "spark"],
                                   ["--ray-place", "no-resource"]])
 def test_bad_serve_flags_name_the_value(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])
     assert argv[1] in capsys.readouterr().err
+
+
+def test_serve_fixes_glibcs_mmap_threshold_unless_the_environment_sets_it(monkeypatch):
+    """Why: benchmarks/soak.py (the server's RSS grew ~30% in 10 minutes with glibc's
+    dynamic threshold, and stayed flat with a fixed one); here only that it is applied."""
+    import platform
+    import sys
+
+    from trio_server.cli import fix_mmap_threshold
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert fix_mmap_threshold() is False  # the operator's choice stands
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert fix_mmap_threshold() is glibc

@@ -176,7 +176,11 @@ def test_a_refused_call_keeps_its_place_so_the_next_call_does_not_wait(tmp_path)
 
 def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
     """retrieve(timeout=0) of a request not done yet: "running", or "queued (position n)"
-    with n its place by arrival among the waiting requests."""
+    with n the requests of its host that run before it (the running one, then those that
+    arrived earlier), and an estimated start: queue_position and starts_in_seconds in the
+    answer (through the wire model). With forward's recent batches at 5 s, the running one
+    has under 5 s left and each queued one adds 5 s (slack only for the time between the
+    retrieves; no sleeping)."""
     from pytrio import types as t
     from pytrio.futures import run_sync
 
@@ -187,6 +191,7 @@ def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
     toks = list(range(1, 9))
     datum = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
     worker = core.workers[MODEL]
+    worker.durations.record("forward", 5.0)
 
     def forward(run_id):
         return run_sync(transport.submit("forward", t.ForwardRequest(model_id=run_id, seq=0, data=[datum]), None))
@@ -196,8 +201,10 @@ def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
         wait_until(lambda: bool(worker.running), "the first forward to run")
         ids += [forward(run_id) for run_id in runs[1:]]
         states = [run_sync(transport.retrieve(rid, 0)) for rid in ids]
-    assert [(s.status, s.queue_state) for s in states] == [
-        ("pending", "running"), ("pending", "queued (position 1)"), ("pending", "queued (position 2)")]
+    assert [(s.status, s.queue_state, s.queue_position) for s in states] == [
+        ("pending", "running", 0), ("pending", "queued (position 1)", 1), ("pending", "queued (position 2)", 2)]
+    starts = [s.starts_in_seconds for s in states]
+    assert starts[0] == 0.0 and 0.0 <= starts[1] <= 5.0 and 0.0 < starts[2] - starts[1] <= 5.1, starts
     assert all(run_sync(transport.retrieve(rid, 60)).status == "done" for rid in ids)
     core.close()
 
@@ -400,4 +407,45 @@ def test_a_next_turn_reports_the_prompt_tokens_it_reused(tmp_path):
     turn2 = turn1 + first.sequences[0].tokens + [7, 8]
     second = sampler.sample(trio.ModelInput.from_ints(turn2), 1, params).result()
     assert second.prompt_cache_hit_tokens == len(turn1) + 5 - 1  # all but the last sampled token
+    core.close()
+
+
+def test_a_submit_past_a_queue_bound_is_refused_before_anything_changes_and_a_retry_still_answers(tmp_path):
+    from pytrio import types as t
+    from trio_server.errors import ServiceError
+    from trio_server.store import requests as requests_table
+
+    core = ServiceCore(tmp_path, dtype="float32", limits=Limits(max_pending_per_user=1, max_pending_total=2,
+                                                                retry_after_seconds=2.5))
+    caps = core.capabilities()
+    assert (caps.max_pending_per_user, caps.max_pending_total) == (1, 2)
+    runs = {u: trio.ServiceClient(transport=LocalTransport(core, u)).create_lora_training_client(base_model=MODEL, rank=2)
+            for u in "abc"}
+    toks = list(range(1, 9))
+    d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+
+    def forward(user: str, seq: int = 0) -> t.ForwardRequest:
+        return t.ForwardRequest(model_id=runs[user].model_id, seq=seq, data=[d])
+
+    worker = core.workers[MODEL]
+    with worker.engine.host.lock:  # the worker stays busy with a's first request
+        held = core.submit("a", "forward", forward("a"), "key-a")
+        wait_until(lambda: bool(worker.running), "a's request to run")
+        rows = len(core.store.select(requests_table))
+        with pytest.raises(ServiceError) as refused:
+            core.submit("a", "forward", forward("a", 1), "key-a2")
+        assert (refused.value.status, refused.value.category, refused.value.retry_after) == (429, "capacity", 2.5)
+        assert "max_pending_per_user: 1 requests of this user pending, the limit is 1" in refused.value.message
+        assert core.submit("a", "forward", forward("a"), "key-a") == held  # a retry of an accepted one: its id
+        queued = core.submit("b", "forward", forward("b"), "key-b")  # b has its own bound
+        with pytest.raises(ServiceError, match="max_pending_total: 2 requests pending, the limit is 2") as full:
+            core.submit("c", "forward", forward("c"), "key-c")
+        assert full.value.status == 429
+        assert len(core.store.select(requests_table)) == rows + 1  # only b's; nothing of the refused
+        assert len(worker.snapshot()) == 1 and core.request_for_key("a", "key-a2") is None
+    for request_id, user in ((held, "a"), (queued, "b")):  # nothing accepted was dropped
+        wait_until(lambda r=request_id, u=user: core._stored_outcome(u, r).status == "done", "the held requests")
+    wait_until(lambda: not core.unfinished, "the counts to drain")
+    assert core.pending_by_user == {}
+    assert core.submit("c", "forward", forward("c"), "key-c")  # room again
     core.close()

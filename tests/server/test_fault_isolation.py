@@ -193,3 +193,26 @@ def test_a_forward_with_a_nan_loss_reports_it_over_http(tmp_path):
         out = tc.forward([rl_datum(), NAN_DATUM], "importance_sampling").result(timeout=120)
     assert math.isnan(out.metrics["loss:sum"])
     assert all(math.isfinite(v) for v in out.loss_fn_outputs[0]["elementwise_loss"].tolist())
+
+
+def test_an_outcome_the_store_cannot_take_is_still_delivered_and_the_worker_lives(core, monkeypatch, caplog):
+    """The database down for longer than the store retries: the request ran, so its waiter
+    gets its result (logged as not stored), and the next request is served."""
+    import sqlalchemy as sa
+
+    tc = client(core).create_lora_training_client(base_model=MODEL, rank=2)
+    real = core.store.update
+
+    def update(table, key, key_value, **values):
+        if values.get("status") == "done":
+            raise sa.exc.OperationalError("UPDATE requests", {}, Exception("the database is gone"))
+        return real(table, key, key_value, **values)
+
+    monkeypatch.setattr(core.store, "update", update)
+    with caplog.at_level("ERROR", logger="trio"):
+        out = tc.forward([datum()]).result(timeout=120)
+    assert out.metrics["loss:sum"] > 0
+    assert any("could not be stored" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    assert core.workers[MODEL].thread.is_alive()
+    assert tc.forward([datum()]).result(timeout=120).metrics["loss:sum"] > 0

@@ -154,6 +154,28 @@ def test_limits_name_the_limit_and_keep_the_run_going(server):
     assert tc.forward([datum()]).result().metrics["loss:sum"] > 0  # later calls don't wait forever
 
 
+def test_usage_and_a_spent_budget_over_http(server):
+    """GET /usage with the key, through the SDK's HTTP transport; a spent budget is a 403
+    naming the budget and the usage, before anything is queued."""
+    key = server.core.store.create_api_key("budgeted", budget_tokens=6)
+    svc = trio.ServiceClient(base_url=server.url, api_key=key)
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    tc.forward_backward([datum(6)]).result()
+    rest = svc.create_rest_client()
+    usage = rest.get_usage()
+    assert (usage.trained, usage.prefilled, usage.sampled, usage.total, usage.budget_tokens) == (6, 0, 0, 6, 6)
+    assert [(r.run_id, r.trained) for r in usage.runs] == [(tc.model_id, 6)]
+    assert rest.get_run_usage(tc.model_id) == usage.runs[0]
+
+    r = httpx.post(server.url + "/api/v1/forward", headers={"Authorization": f"Bearer {key}"},
+                   json={"model_id": tc.model_id, "seq": 1, "data": [datum().model_dump(mode="json")]})
+    assert r.status_code == 403, r.text
+    error = r.json()["error"]
+    assert error["category"] == "validation" and "used 6 tokens" in error["message"]
+    assert "budget of 6" in error["message"]
+    assert rest.get_usage() == usage
+
+
 def test_oversized_body_refused_before_reading(server):
     key = server.core.store.create_api_key("big")
     r = httpx.post(server.url + "/api/v1/forward", content=b"x" * 300_000,
@@ -178,3 +200,87 @@ def test_the_console_is_static_needs_no_key_and_loads_nothing_from_elsewhere(ser
     r = httpx.get(server.url + "/console/app.py")
     assert r.status_code == 404 and r.json()["error"]["category"] == "not_found"
     assert "/console" not in httpx.get(server.url + "/openapi.json").json()["paths"]
+
+
+# -- overload: bounded queues, 429 with Retry-After, the SDK backs off and resends ------------
+
+
+@pytest.fixture
+def tight(tmp_path):
+    """A server whose users may each have one request pending."""
+    core = ServiceCore(tmp_path, dtype="float32", limits=Limits(max_pending_per_user=1, retry_after_seconds=0.2))
+    srv = ServerThread(create_app(core, auth=True))
+    srv.core = core
+    yield srv
+    srv.stop()
+    core.close()
+
+
+def held(server):
+    """The worker's engine lock: while held, the request running stays pending."""
+    return server.core.workers[MODEL].engine.host.lock
+
+
+def test_over_a_queue_bound_the_sdk_backs_off_and_resends_and_nothing_accepted_is_dropped(tight):
+    from ..polling import wait_until
+
+    svc = client_for(tight)
+    caps = svc.get_server_capabilities()
+    assert caps.max_pending_per_user == 1 and caps.max_pending_total == 4096
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    auth = svc._session.transport.headers
+    worker = tight.core.workers[MODEL]
+    with held(tight):
+        fb = tc.forward_backward([datum()])  # accepted; runs, and stays pending while held
+        wait_until(lambda: bool(worker.running), "forward_backward to run")
+        step = tc.optim_step(trio.AdamParams(learning_rate=1e-2))  # refused (429) until fb finishes
+        body = {"model_id": tc.model_id, "seq": 5, "adam_params": {"learning_rate": 0.01}}
+        r = httpx.post(tight.url + "/api/v1/optim_step", json=body, headers=auth)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.headers["retry-after-ms"] == "200"
+        assert r.json()["error"] == {"category": "capacity", "message": "capacity max_pending_per_user: 1 requests "
+                                     "of this user pending, the limit is 1; retry in 0.2 s"}
+        assert not step.done()
+    assert fb.result().metrics["loss:sum"] > 0
+    assert step.result().metrics["step"] == 1.0  # resent after fb finished, and ran once
+
+
+def test_the_sdk_gives_up_with_capacity_error_at_its_deadline_and_the_held_request_still_runs(tight, monkeypatch):
+    from pytrio import session as session_mod
+
+    from ..polling import wait_until
+
+    svc = client_for(tight)
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    worker = tight.core.workers[MODEL]
+    monkeypatch.setattr(session_mod, "RECONNECT_SECONDS", 1.0)
+    with held(tight):
+        fb = tc.forward_backward([datum()])
+        wait_until(lambda: bool(worker.running), "forward_backward to run")
+        other = trio.ServiceClient(base_url=tight.url, api_key=svc._session.transport.headers["Authorization"][7:])
+        with pytest.raises(trio.CapacityError, match=r"create_model: gave up after \d+ tries over \d+ s: "
+                                                     r"capacity max_pending_per_user") as err:
+            other.create_lora_training_client(base_model=MODEL, rank=2)
+        assert err.value.status_code == 429
+    assert fb.result().metrics["loss:sum"] > 0  # accepted before: not dropped
+
+
+def test_the_tinker_and_openai_doors_answer_429_with_retry_after_in_their_shapes(tight):
+    from ..polling import wait_until
+
+    svc = client_for(tight)
+    key = svc._session.transport.headers["Authorization"][7:]
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    worker = tight.core.workers[MODEL]
+    with held(tight):
+        fb = tc.forward_backward([datum()])
+        wait_until(lambda: bool(worker.running), "forward_backward to run")
+        r = httpx.post(tight.url + "/tinker/api/v1/optim_step", headers={"X-API-Key": "tml-" + key},
+                       json={"model_id": tc.model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.01}})
+        assert r.status_code == 429 and r.headers["retry-after-ms"] == "200"  # the tinker SDK waits, resends
+        assert r.json()["error"]["category"] == "capacity"
+        r = httpx.post(tight.url + "/openai/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "max_pending_per_user" in r.json()["error"]["message"]
+    fb.result()

@@ -213,6 +213,7 @@ CASES: list[tuple[str, str | None, Any]] = [
      lambda i, w: ("POST", "/retrieve_future", {"json": {"request_id": i["old_request"], "timeout": 0}})),
     ("GET runs/{id}", None, lambda i, w: ("GET", f"/runs/{i['run']}", {})),
     ("GET runs/{id}/metrics", None, lambda i, w: ("GET", f"/runs/{i['run']}/metrics", {})),
+    ("GET runs/{id}/usage", None, lambda i, w: ("GET", f"/runs/{i['run']}/usage", {})),
     ("POST runs/{id}/metrics", None,  # would replace her step 1's reward and hide its loss
      lambda i, w: ("POST", f"/runs/{i['run']}/metrics", {"json": {"step": 1, "metrics": {"reward": 9.0,
                                                                                            "loss": 0.0}}})),
@@ -264,6 +265,11 @@ def test_bob_lists_nothing_of_alices(world):
     w = world
     assert [r["run_id"] for r in w.bob.request("GET", "/runs").json()] == [w.bob_run]
     assert w.bob.request("GET", "/checkpoints").json() == []
+    # Bob only created a run: no tokens, and none of Alice's runs or counts
+    assert w.bob.request("GET", "/usage").json() == {"trained": 0, "prefilled": 0, "sampled": 0,
+                                                     "budget_tokens": None, "runs": []}
+    alice_usage = w.alice.request("GET", "/usage").json()
+    assert [r["run_id"] for r in alice_usage["runs"]] == [w.ids["run"]] and alice_usage["trained"] > 0
     assert [r["run_id"] for r in w.alice.request("GET", "/runs").json()] == [w.ids["run"]]
 
 

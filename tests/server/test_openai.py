@@ -518,3 +518,18 @@ def test_a_turn_not_ending_with_eos_stops_at_its_own_token(server, tmp_path):
     choice = w.choice_of(codec, seq, [])
     assert (choice.text, choice.finish_reason, choice.sampled) == ("hi there", "stop", 3)
     assert [t for p in choice.pieces for t in p.tokens] == seq["tokens"][:2]
+
+
+def test_openai_requests_count_in_the_keys_usage_and_a_spent_budget_refuses_them(server):
+    """The core counts every door's requests: the reply's own usage (the door's count) is
+    what the key's usage grew by; a budget spent through this door refuses it with 403."""
+    carol = new_user(server, "carol-usage")
+    reply = carol.client.completions.create(model=TINY, prompt="Once upon", max_tokens=4, n=2, seed=1)
+    usage = carol.service.create_rest_client().get_usage()
+    assert (usage.prefilled, usage.sampled) == (reply.usage.prompt_tokens, reply.usage.completion_tokens)
+    assert usage.trained == 0 and [r.run_id for r in usage.runs] == [None]  # a base model: no run
+
+    server.core.store.set_budget("carol-usage", usage.total)
+    with pytest.raises(openai.PermissionDeniedError, match="token budget spent"):
+        carol.client.completions.create(model=TINY, prompt="Once upon", max_tokens=4)
+    assert carol.service.create_rest_client().get_usage().total == usage.total  # the refused one ran nothing

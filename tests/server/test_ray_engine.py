@@ -104,7 +104,9 @@ def train(tc, steps: int, first: int = 0) -> list[float]:
     """Steps ``first .. first + steps - 1`` of one fixed data schedule."""
     losses = []
     for k in range(first, first + steps):
-        fb = tc.forward_backward([datum(k), datum(k + 3)])
+        # 8 x 9 = 72 tokens: over the default max_pass_tokens (64), so each call runs as two
+        # passes, and the actor holds and frees the run's grads between them
+        fb = tc.forward_backward([datum(k), datum(k + 3)] * 4)
         tc.optim_step(trio.AdamParams(learning_rate=1e-2))
         losses.append(fb.result().metrics["loss:sum"])
     tc.get_info()

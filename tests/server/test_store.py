@@ -3,28 +3,21 @@ which .ci/run sets after starting Debian's PostgreSQL)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 import pytrio as trio
 from pytrio.transport.local import LocalTransport
 from trio_server.core import RESTART_MESSAGE, ServiceCore
-from trio_server.store import Store, metadata
+from trio_server.store import Store
 
-PG_URL = os.environ.get("TRIO_TEST_POSTGRES_URL")
+from .postgres import empty_postgres_url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'trio.db'}"
-    if not PG_URL:
-        if os.environ.get("CI"):
-            pytest.fail("TRIO_TEST_POSTGRES_URL must be set in CI (.ci/run starts PostgreSQL)")
-        pytest.skip("no PostgreSQL: set TRIO_TEST_POSTGRES_URL")
-    metadata.drop_all(Store(PG_URL).engine)
-    return PG_URL
+    return empty_postgres_url()
 
 
 def test_keys_runs_checkpoints_and_restart(db_url, tmp_path):
@@ -74,3 +67,29 @@ def test_step_metrics_set_again_take_the_new_value_and_client_values_hide_the_se
     ]
     assert store.run_metrics("run-b") == [(1, {"reward": 1.0})]
     assert store.run_metrics("run-c") == []
+
+
+def test_usage_adds_up_per_user_and_run_and_budgets_belong_to_keys(db_url):
+    """The incrementing upsert on both databases: counts add, rows stay per (user, run),
+    a request of no run has its own row; budgets are set and lifted by key id or name."""
+    store = Store(db_url)
+    key = store.create_api_key("capped", budget_tokens=100)
+    user = store.user_for_key(key)
+    assert user is not None and store.budget_of(user) == 100 and store.budget_of("nobody") is None
+    store.add_usage(user, "run-a", 5, 0, 0)
+    store.add_usage(user, "run-a", 2, 3, 4)
+    store.add_usage(user, None, 0, 6, 7)
+    store.add_usage(user, "run-b", 0, 0, 0)  # nothing to count: no row
+    store.add_usage("other", "run-c", 1000, 0, 0)
+    assert store.usage_by_run(user) == [{"run_id": None, "trained": 0, "prefilled": 6, "sampled": 7},
+                                        {"run_id": "run-a", "trained": 7, "prefilled": 3, "sampled": 4}]
+    assert store.usage_by_run(user, "run-a") == store.usage_by_run(user)[1:]
+    assert store.usage_total(user) == 27 and store.usage_total("nobody") == 0
+
+    key_id = store.list_api_keys()[0]["id"]
+    store.set_budget(key_id, None)
+    assert store.budget_of(user) is None
+    store.set_budget("capped", 5)
+    assert store.budget_of(user) == 5 and store.list_api_keys()[0]["budget_tokens"] == 5
+    with pytest.raises(KeyError, match="no key has this id or name"):
+        store.set_budget("missing", 1)

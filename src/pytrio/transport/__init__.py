@@ -12,10 +12,12 @@ from ..types import (
     FutureResponse,
     LogMetricsRequest,
     LogMetricsResponse,
+    RunUsage,
     ServerCapabilities,
     StepMetrics,
     TokenizerFiles,
     TrainingRun,
+    Usage,
 )
 
 
@@ -35,6 +37,10 @@ class Transport(Protocol):
     async def log_metrics(self, run_id: str, request: LogMetricsRequest) -> LogMetricsResponse: ...
 
     async def run_metrics(self, run_id: str) -> list[StepMetrics]: ...
+
+    async def usage(self) -> Usage: ...
+
+    async def run_usage(self, run_id: str) -> RunUsage: ...
 
     async def list_checkpoints(self, run_id: str | None) -> list[Checkpoint]: ...
 

@@ -21,10 +21,12 @@ from ..types import (
     FutureResponse,
     LogMetricsRequest,
     LogMetricsResponse,
+    RunUsage,
     ServerCapabilities,
     StepMetrics,
     TokenizerFiles,
     TrainingRun,
+    Usage,
 )
 
 API = "/api/v1"
@@ -89,6 +91,12 @@ class HttpTransport:
 
     async def run_metrics(self, run_id: str) -> list[StepMetrics]:
         return _STEPS.validate_json((await self._request("GET", f"/runs/{quote(run_id, safe='')}/metrics")).content)
+
+    async def usage(self) -> Usage:
+        return Usage.model_validate_json((await self._request("GET", "/usage")).content)
+
+    async def run_usage(self, run_id: str) -> RunUsage:
+        return RunUsage.model_validate_json((await self._request("GET", f"/runs/{quote(run_id, safe='')}/usage")).content)
 
     async def list_checkpoints(self, run_id: str | None) -> list[Checkpoint]:
         params = {"run_id": run_id} if run_id else {}

@@ -22,10 +22,12 @@ from ..types import (
     FutureResponse,
     LogMetricsRequest,
     LogMetricsResponse,
+    RunUsage,
     ServerCapabilities,
     StepMetrics,
     TokenizerFiles,
     TrainingRun,
+    Usage,
 )
 
 LOCAL_USER = "local"
@@ -80,6 +82,12 @@ class LocalTransport:
     async def run_metrics(self, run_id: str) -> list[StepMetrics]:
         return self._call(self.core.run_metrics, self.user_id, run_id)
 
+    async def usage(self) -> Usage:
+        return self._call(self.core.usage, self.user_id)
+
+    async def run_usage(self, run_id: str) -> RunUsage:
+        return self._call(self.core.run_usage, self.user_id, run_id)
+
     async def list_checkpoints(self, run_id: str | None) -> list[Checkpoint]:
         return self._call(self.core.list_checkpoints, self.user_id, run_id)
 
@@ -109,4 +117,6 @@ def _mapped_errors() -> Iterator[None]:
     try:
         yield
     except ServiceError as exc:
-        raise error_from_category(exc.category, exc.message, status=exc.status) from None
+        error = error_from_category(exc.category, exc.message, status=exc.status)
+        error.retry_after = exc.retry_after
+        raise error from None

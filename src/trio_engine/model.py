@@ -1,0 +1,211 @@
+"""Per-family model specs: which linear layers LoRA targets, and how logits are made.
+
+Hugging Face causal LMs share a shape (a decoder ``trunk`` then an ``lm_head``) but not
+the details that matter to us:
+
+- LoRA targets: Llama-shaped families name their projections ``q_proj k_proj v_proj
+  o_proj`` / ``gate_proj up_proj down_proj``; Phi-3 fuses them (``qkv_proj``,
+  ``gate_up_proj``), so Llama names would silently adapt only ``o_proj``/``down_proj``.
+- The head: some families transform the logits after ``lm_head`` (read off each
+  family's ``ForCausalLM.forward`` in transformers):
+
+    Gemma 2, Gemma 3 (text)  logits = c · tanh(logits / c),  c = config.final_logit_softcapping
+    Cohere, Cohere 2         logits = logits · config.logit_scale
+    Granite                  logits = logits / config.logits_scaling
+
+  Everything before ``lm_head`` (Gemma's embedding scaling, attention soft-capping,
+  Granite's residual multipliers) is inside the trunk and needs nothing from us.
+
+A family is looked up by ``config.model_type``. An unknown family gets ``GENERIC``: every
+projection name any known family uses, and a plain head. Which of those names the
+model really has is checked when an adapter is created (``select_targets``), so an
+unknown model either gets all the kinds of layers it asked for or an error, never a
+partial adapter. A model of unknown family whose config carries one of the head
+attributes above is refused (``check_head``): we would not know how it applies it.
+
+``Head`` is the one place logits are made (trainer, ``compute_logprobs`` and sampler all
+call it), so the transform cannot be applied on one path and forgotten on another. It
+casts ``lm_head``'s output to fp32 and transforms in fp32; transformers transforms in
+the model's dtype, which is the same for fp32 models and slightly less exact for bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .catalog import ModelNotAvailableError
+from .errors import InvalidInputError
+from .lora import LoraConfig, LoRALinear
+
+LLAMA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One model family: its LoRA target names and its head.
+
+    ``softcap_key`` / ``multiply_key`` / ``divide_key`` name the config attribute of a
+    transform applied to ``lm_head``'s output (None: the family has none).
+    """
+
+    name: str
+    attn_targets: tuple[str, ...] = LLAMA_ATTN
+    mlp_targets: tuple[str, ...] = LLAMA_MLP
+    unembed_targets: tuple[str, ...] = UNEMBED
+    softcap_key: str | None = None
+    multiply_key: str | None = None
+    divide_key: str | None = None
+
+    def all_targets(self) -> tuple[str, ...]:
+        return self.attn_targets + self.mlp_targets + self.unembed_targets
+
+    def requested(self, config: LoraConfig) -> dict[str, tuple[str, ...]]:
+        """LoraConfig field -> the target names it asks for (only fields set true)."""
+        kinds = {
+            "train_attn": (config.train_attn, self.attn_targets),
+            "train_mlp": (config.train_mlp, self.mlp_targets),
+            "train_unembed": (config.train_unembed, self.unembed_targets),
+        }
+        return {field: names for field, (on, names) in kinds.items() if on}
+
+    def transform(self, hf_config: Any) -> LogitTransform:
+        """The head transform with this model's constants read from its config."""
+
+        def value(key: str | None) -> float | None:
+            v = getattr(hf_config, key, None) if key else None
+            return None if v is None else float(v)
+
+        return LogitTransform(
+            softcap=value(self.softcap_key),
+            multiply=value(self.multiply_key),
+            divide=value(self.divide_key),
+        )
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a family does to ``lm_head``'s output; the identity when all are None."""
+
+    softcap: float | None = None
+    multiply: float | None = None
+    divide: float | None = None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        # No family has more than one of these, so their order is moot; each is written
+        # exactly as transformers writes it (divide, not multiply by the reciprocal).
+        if self.multiply is not None:
+            logits = logits * self.multiply
+        if self.divide is not None:
+            logits = logits / self.divide
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+LLAMA = FamilySpec("llama")
+GEMMA2 = FamilySpec("gemma2", softcap_key="final_logit_softcapping")
+PHI3 = FamilySpec("phi3", attn_targets=("qkv_proj", "o_proj"), mlp_targets=("gate_up_proj", "down_proj"))
+COHERE = FamilySpec("cohere", multiply_key="logit_scale")
+GRANITE = FamilySpec("granite", divide_key="logits_scaling")
+
+FAMILIES: dict[str, FamilySpec] = {
+    "llama": LLAMA,
+    "mistral": FamilySpec("mistral"),
+    "qwen2": FamilySpec("qwen2"),
+    "qwen3": FamilySpec("qwen3"),
+    "gemma": FamilySpec("gemma"),
+    "gemma2": GEMMA2,
+    "gemma3_text": FamilySpec("gemma3_text", softcap_key="final_logit_softcapping"),
+    "phi3": PHI3,
+    "cohere": COHERE,
+    "cohere2": FamilySpec("cohere2", multiply_key="logit_scale"),
+    "granite": GRANITE,
+}
+
+
+def _union(*groups: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(name for group in groups for name in group))
+
+
+# Every name a known family uses for each kind; used for unknown families and to tell a
+# PEFT folder's target_modules apart by kind. No name is of two kinds in two families.
+ALL_ATTN = _union(*(f.attn_targets for f in FAMILIES.values()))
+ALL_MLP = _union(*(f.mlp_targets for f in FAMILIES.values()))
+GENERIC = FamilySpec("generic", attn_targets=ALL_ATTN, mlp_targets=ALL_MLP)
+HEAD_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def family_of(hf_config: Any) -> FamilySpec:
+    """The spec for a transformers config (``GENERIC`` for an unknown ``model_type``)."""
+    return FAMILIES.get(getattr(hf_config, "model_type", ""), GENERIC)
+
+
+def check_head(spec: FamilySpec, hf_config: Any) -> None:
+    """Refuse a generic-spec model whose config names a logit transform we'd not apply.
+
+    Raises:
+        ModelNotAvailableError: the family is unknown and its config sets one of ``HEAD_KEYS``.
+    """
+    if spec is not GENERIC:
+        return
+    found = {k: getattr(hf_config, k) for k in HEAD_KEYS if getattr(hf_config, k, None) is not None}
+    if found:
+        raise ModelNotAvailableError(
+            f"model_type {getattr(hf_config, 'model_type', None)!r} is not a known family "
+            f"(known: {sorted(FAMILIES)}) and its config sets {found}, a logit transform "
+            "TRIO does not know how to apply; add a FamilySpec for it in trio_engine/model.py"
+        )
+
+
+def select_targets(model: nn.Module, spec: FamilySpec, config: LoraConfig) -> tuple[str, ...]:
+    """The target names of ``config`` that ``model`` has as linear layers.
+
+    Raises:
+        InvalidInputError: a kind of layer the config asks for (train_attn, train_mlp,
+            train_unembed) matches no linear layer of the model, or, for a known family,
+            misses one of the family's names (a partial adapter); nothing is changed.
+    """
+    present = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear | LoRALinear)
+    }
+    chosen: list[str] = []
+    for field, names in spec.requested(config).items():
+        found = [n for n in names if n in present]
+        # a known family has all its names; the generic spec lists every family's names,
+        # so there one name per kind is enough (a model has q_proj... or qkv_proj)
+        missing = [n for n in names if n not in present] if spec is not GENERIC else []
+        if not found or missing:
+            raise InvalidInputError(
+                f"{field}: true, but this {spec.name} model has no linear layer named "
+                f"{missing or list(names)} (it needs {list(names)}); set {field}=false or "
+                f"use a model of a supported family ({sorted(FAMILIES)})",
+                field=field,
+            )
+        chosen += found
+    return tuple(chosen)
+
+
+class Head(nn.Module):
+    """hidden (N, H) -> fp32 logits (N, V): ``lm_head`` (LoRA-wrapped), then the transform."""
+
+    def __init__(self, lm_head: nn.Module, transform: LogitTransform):
+        super().__init__()
+        self.lm_head = lm_head
+        self.transform = transform
+
+    @property
+    def weight(self) -> torch.Tensor:
+        weight = self.lm_head.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.transform(self.lm_head(hidden).float())

@@ -1,0 +1,173 @@
+"""Large forward(_backward) requests run as several passes (splitting.py): other users go
+between the passes, the merged result and grads are the unsplit request's, and a part
+that fails leaves the run's grads exactly as before the request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pytrio as trio
+from pytrio.transport.local import LocalTransport
+from trio_server.core import Limits, ServiceCore
+from trio_server.splitting import Split, cut, in_whole_request, maybe_split
+
+from ..polling import wait_until
+from .test_fault_isolation import NAN_DATUM, after_step, datum, rl_datum
+
+MODEL = "trio/tiny-llama"
+PASS_TOKENS = 12  # two 6-token datums per pass
+
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory):
+    core = ServiceCore(tmp_path_factory.mktemp("split"), dtype="float32", limits=Limits(max_pass_tokens=PASS_TOKENS))
+    yield core
+    core.close()
+
+
+def trainer(core, user: str = "u", seed: int = 3) -> trio.TrainingClient:
+    svc = trio.ServiceClient(transport=LocalTransport(core, user))
+    return svc.create_lora_training_client(base_model=MODEL, rank=2, seed=seed)
+
+
+def passes(core, op: str = "forward_backward") -> list[list[tuple[str | None, int]]]:
+    """Record each engine call of ``op`` as [(run, datums) per job] (undo: del the engine's attribute)."""
+    engine = core.workers[MODEL].engine
+    seen: list[list[tuple[str | None, int]]] = []
+    real = getattr(engine, op)
+
+    def recording(jobs):
+        seen.append([(job.adapter_id, len(job.examples)) for job in jobs])
+        return real(jobs)
+
+    setattr(engine, op, recording)
+    return seen
+
+
+def grads(core, run_id: str) -> dict[str, torch.Tensor | None]:
+    host = core.workers[MODEL].engine.host
+    return {n: None if p.grad is None else p.grad.clone() for n, p in host.adapter_params(run_id).items()}
+
+
+def test_cut_keeps_datum_order_and_puts_a_longer_datum_alone():
+    assert cut([6, 6, 6, 6, 6], 12) == [0, 2, 4]
+    assert cut([5, 20, 3, 3, 9], 12) == [0, 1, 2, 4]  # 20 > 12: alone
+    assert cut([4, 4], 12) == [0]
+
+
+def test_a_part_error_names_the_datum_in_the_whole_request():
+    d = datum()
+    item = maybe_split(_work_item([d] * 5), 12)
+    split = item.context["split"]
+    assert isinstance(split, Split) and split.starts == [0, 2, 4] and len(item.request.data) == 2
+    split.index = 1
+    assert in_whole_request("data[1]: loss_fn gave a non-finite loss", split) == "data[3]: loss_fn gave a non-finite loss"
+    assert in_whole_request("loss_fn: unknown", split) == "loss_fn: unknown"
+    assert maybe_split(_work_item([d] * 2), 12).context == {}  # within a pass: as is
+    assert maybe_split(_work_item([datum(30)]), 12).context == {}  # one datum: cannot be cut
+
+
+def _work_item(data):
+    from pytrio import types as t
+    from trio_server.scheduler import WorkItem
+
+    return WorkItem("r1", "forward_backward", t.ForwardRequest(model_id="run", seq=0, data=data), "u", "run", 0)
+
+
+def test_a_split_request_gives_the_unsplit_result_metrics_and_grads(core):
+    data = [rl_datum(6, advantage=0.5), rl_datum(5, logprob=-2.0), rl_datum(6, advantage=-1.0),
+            datum(6, weights=[0.0] * 6, logprobs=[-1.0] * 6, advantages=[1.0] * 6), rl_datum(4)]
+    whole_run, split_run = trainer(core, seed=5), trainer(core, seed=5)
+    worker = core.workers[MODEL]
+    worker.max_pass_tokens = None
+    try:
+        whole = whole_run.forward_backward(data, "importance_sampling").result(timeout=120)
+    finally:
+        worker.max_pass_tokens = PASS_TOKENS
+    seen = passes(core)
+    try:
+        split = split_run.forward_backward(data, "importance_sampling").result(timeout=120)
+    finally:
+        del worker.engine.forward_backward
+    assert seen == [[(split_run.model_id, 2)], [(split_run.model_id, 2)], [(split_run.model_id, 1)]]
+    assert split.metrics.keys() == whole.metrics.keys() == {"loss:sum", "ratio:mean"}
+    for name, value in whole.metrics.items():
+        assert split.metrics[name] == pytest.approx(value, rel=1e-5)
+    assert len(split.loss_fn_outputs) == len(data)
+    for a, b in zip(split.loss_fn_outputs, whole.loss_fn_outputs):
+        for key in ("logprobs", "elementwise_loss"):
+            assert a[key].tolist() == pytest.approx(b[key].tolist(), abs=1e-5)
+    steps = worker.ctx.steps
+    assert steps[split_run.model_id].loss_sum == pytest.approx(steps[whole_run.model_id].loss_sum, rel=1e-5)
+    assert steps[split_run.model_id].active == steps[whole_run.model_id].active
+    g_whole, g_split = grads(core, whole_run.model_id), grads(core, split_run.model_id)
+    for name, g in g_whole.items():
+        if g is not None:
+            torch.testing.assert_close(g_split[name], g, rtol=1e-4, atol=1e-6)
+    assert after_step(split_run) == pytest.approx(after_step(whole_run), abs=1e-5)
+    assert not worker.engine.host.held_grads  # the held copy was freed
+
+
+def test_a_later_part_failing_leaves_the_grads_exactly_as_before_and_the_run_goes_on(core):
+    tc = trainer(core, seed=7)
+    tc.forward_backward([rl_datum(), rl_datum(4)], "importance_sampling").result(timeout=120)  # grads pending
+    before = grads(core, tc.model_id)
+    worker = core.workers[MODEL]
+    loss_before = worker.ctx.steps[tc.model_id].loss_sum
+    seen = passes(core)
+    try:
+        with pytest.raises(trio.ValidationError) as info:
+            tc.forward_backward([rl_datum()] * 3 + [NAN_DATUM, rl_datum()], "importance_sampling").result(timeout=120)
+    finally:
+        del worker.engine.forward_backward
+    assert len(seen) == 2  # the first part ran and added grads; the second failed; the third never ran
+    assert "data[3]" in info.value.message and "non-finite loss" in info.value.message
+    after = grads(core, tc.model_id)
+    assert after.keys() == before.keys()
+    for name, g in before.items():
+        assert g is not None and torch.equal(after[name], g), name
+    assert worker.ctx.steps[tc.model_id].loss_sum == loss_before  # the failed request is not in the step
+    assert not worker.engine.host.held_grads
+    out = tc.forward_backward([rl_datum()] * 3, "importance_sampling").result(timeout=120)  # the run goes on
+    assert out.metrics["loss:sum"] == pytest.approx(3 * sum(out.loss_fn_outputs[0]["elementwise_loss"].tolist()),
+                                                    rel=1e-5)
+
+
+def test_another_users_request_runs_between_the_parts(core):
+    flood, light = trainer(core, "flood"), trainer(core, "light")
+    worker = core.workers[MODEL]
+    order: list[str] = []
+    real_fb, real_fwd = worker.engine.forward_backward, worker.engine.forward
+    worker.engine.forward_backward = lambda jobs: (order.append(f"fb x{len(jobs[0].examples)}"), real_fb(jobs))[1]
+    worker.engine.forward = lambda jobs: (order.append("light forward"), real_fwd(jobs))[1]
+    try:
+        with worker.engine.host.lock:  # the worker is busy: both requests are queued before either runs
+            blocker = light.forward_backward([datum()])
+            wait_until(lambda: bool(worker.running), "the blocker to run")
+            big = flood.forward_backward([datum()] * 6)  # three parts of two datums
+            small = light.forward([datum()])
+            wait_until(lambda: len(worker.snapshot()) == 2, f"both to queue {worker.snapshot()}")
+        for future in (blocker, big, small):
+            future.result(timeout=120)
+    finally:
+        del worker.engine.forward_backward, worker.engine.forward
+    # the light request waits for one pass of the flood, not for the whole flood request
+    assert order == ["fb x1", "fb x2", "light forward", "fb x2", "fb x2"], order
+
+
+def test_a_pass_holds_no_more_than_max_pass_tokens_even_when_parts_could_share_it(core):
+    a, b = trainer(core, "many", seed=1), trainer(core, "many", seed=2)  # one user: its runs may share passes
+    worker = core.workers[MODEL]
+    seen = passes(core)
+    try:
+        with worker.engine.host.lock:
+            blocker = a.forward([datum()])
+            wait_until(lambda: bool(worker.running), "the blocker to run")
+            futures = [tc.forward_backward([datum()] * 4) for tc in (a, b)]  # two parts each
+            wait_until(lambda: len(worker.snapshot()) == 2, "both to queue")
+        for future in (blocker, *futures):
+            future.result(timeout=120)
+    finally:
+        del worker.engine.forward_backward
+    assert len(seen) == 4 and all(sum(n for _, n in jobs) * 6 <= PASS_TOKENS for jobs in seen), seen
