@@ -282,7 +282,7 @@ class ServiceCore:
                         user_id=user_id, run_id=run_id, seq=seq)
         return item, run["base_model"]
 
-    async def retrieve(self, user_id: str, request_id: str, timeout: float = 30.0) -> Outcome:
+    async def retrieve(self, user_id: str, request_id: str, timeout: float) -> Outcome:
         """The outcome of a request, waiting up to ``timeout`` s (long poll)."""
         future = self.futures.get(request_id)
         if future is None or self.owners.get(request_id) != user_id:
@@ -311,9 +311,6 @@ class ServiceCore:
             if info is not None:
                 return info
         return None
-
-    def _queue_state(self, request_id: str) -> str:
-        return Outcome.pending(self._queue_info(request_id)).queue_state or "running"
 
     def _unregister(self, request_id: str) -> None:
         with self.lock:

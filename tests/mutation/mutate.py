@@ -38,7 +38,7 @@ TARGET = 0.90
 
 # The core's request path: submit -> queue -> ordered execution -> resolve -> retrieve.
 CORE_PATH = [f"trio_server.core.xǁServiceCoreǁ{name}__mutmut_*" for name in (
-    "submit", "retrieve", "_stored_outcome", "_queue_state", "_unregister", "_idempotent",
+    "submit", "retrieve", "_stored_outcome", "_queue_info", "_unregister", "_idempotent",
     "_check_seq", "resolve", "_forget_old", "_recover",
 )]
 MODULES: dict[str, list[str]] = {

@@ -231,7 +231,8 @@ def test_a_submit_that_loses_the_idempotency_race_returns_the_winner_and_leaves_
     assert core.submit("local", "get_info", {"model_id": tc.model_id}, "k1") == "req-winner"
     assert losers and losers[0] not in core.futures and losers[0] not in core.owners
     assert ("local", "k1") not in core.idempotency and core.idempotency[("local", "k0")] == earlier
-    assert core._queue_state("req-winner") == "running"  # no worker holds it: taken, finishing
+    assert losers[0] not in core.unfinished and "local" not in core.pending_by_user  # the loser is not counted
+    assert core._queue_info("req-winner") is None  # no worker holds it: taken, finishing
     core.close()
 
 
@@ -248,6 +249,10 @@ def test_a_restart_fails_in_flight_requests_drops_ephemeral_weights_and_resumes_
     (row,) = before.store.select(checkpoints, kind="ephemeral")
     folder = before.checkpoint_dir(row["run_id"], row["kind"], row["name"])
     assert folder.exists()
+    (kept,) = before.store.select(checkpoints, name="kept")
+    kept_dir = before.checkpoint_dir(kept["run_id"], kept["kind"], "kept")
+    moved_aside = kept_dir.with_name(".kept.old-1-2")
+    kept_dir.rename(moved_aside)  # a crash between the two renames of rewriting "kept"
     before.store.insert(requests, request_id="req-in-flight", user_id="local", op="optim_step", run_id=tc.model_id,
                         seq=5, status="pending", idempotency_key=None, created_at=now())
     before.close()
@@ -259,6 +264,7 @@ def test_a_restart_fails_in_flight_requests_drops_ephemeral_weights_and_resumes_
     assert (state.status, state.error) == ("failed", t.ErrorInfo(category="server", message=RESTART_MESSAGE))
     assert after.store.select(checkpoints, kind="ephemeral") == [] and not folder.exists()
     assert [c.path for c in after.list_checkpoints("local")] == [named]  # named weights outlive restarts
+    assert kept_dir.is_dir() and not moved_aside.exists()  # the interrupted rewrite was undone at start-up
     assert after.next_seq[tc.model_id] == 6  # past every seq the store has seen, not the run's next_seq (1)
     after.close()
 
