@@ -33,9 +33,6 @@ from .errors import InvalidInputError
 LORA_ALPHA = 32.0
 MAX_RANK = 256
 
-ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_TARGETS = ("lm_head",)
 
 
 @dataclass(frozen=True)
@@ -60,15 +57,6 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
-
-    def targets(self) -> tuple[str, ...]:
-        """Llama-family module-name suffixes this config selects; the host uses its
-        model family's names instead (``model.FamilySpec.requested``)."""
-        return (
-            (ATTN_TARGETS if self.train_attn else ())
-            + (MLP_TARGETS if self.train_mlp else ())
-            + (UNEMBED_TARGETS if self.train_unembed else ())
-        )
 
 
 class Routing:
@@ -159,7 +147,7 @@ def _add_low_rank(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     return torch.addmm(flat, low, b.t(), alpha=scale).view(out.shape)
 
 
-def install(model: nn.Module, suffixes: Collection[str] = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS) -> Routing:
+def install(model: nn.Module, suffixes: Collection[str]) -> Routing:
     """Wrap every linear layer of ``model`` named one of ``suffixes`` once (the model
     family's targets, ``model.FamilySpec.all_targets``); returns the shared Routing."""
     routing = Routing()
@@ -177,18 +165,15 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
             yield name, module
 
 
-def add_adapter(
-    model: nn.Module, adapter_id: str, config: LoraConfig, targets: Collection[str] | None = None
-) -> None:
+def add_adapter(model: nn.Module, adapter_id: str, config: LoraConfig, targets: Collection[str]) -> None:
     """Create adapter weights in every targeted layer, deterministically from the seed.
 
     ``targets``: the layer names to adapt (the host passes its model family's, checked by
-    ``model.select_targets``); None: ``config.targets()``, the Llama names.
+    ``model.select_targets``).
     The weights go on each layer's device; the generator stays on the CPU on purpose
     (device-independent initialisation).
     """
     gen = torch.Generator(device="cpu").manual_seed(config.seed)
-    targets = config.targets() if targets is None else targets
     for name, module in lora_modules(model):
         if name.rsplit(".", 1)[-1] in targets:
             module.add(adapter_id, config.rank, config.scale, gen)

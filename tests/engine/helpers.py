@@ -145,11 +145,13 @@ def random_adapter_folder(folder, model, base_model: str, config, seed: int = 0,
     """A PEFT sampler-weights folder of random A and B (both non-zero) for every layer of
     ``model`` that ``config`` targets; returns the tensors ("<module>.lora_A" / "lora_B")."""
     from trio_engine.checkpoint import save_peft_adapter
+    from trio_engine.model import family_of, select_targets
 
+    targets = select_targets(model, family_of(model.config), config)
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in config.targets():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
             weights[f"{name}.lora_A"] = torch.randn(config.rank, module.in_features, generator=gen) * scale
             weights[f"{name}.lora_B"] = torch.randn(module.out_features, config.rank, generator=gen) * scale
     save_peft_adapter(folder, weights, config, base_model)

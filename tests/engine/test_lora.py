@@ -174,7 +174,7 @@ def test_install_wraps_only_the_target_linears():
 
     model = torch.nn.ModuleDict({"q_proj": torch.nn.Linear(4, 4), "score": torch.nn.Linear(4, 2),
                                  "lm_head": torch.nn.Linear(4, 9), "norm": torch.nn.LayerNorm(4)})
-    install(model)
+    install(model, ("q_proj", "k_proj", "lm_head"))
     assert {name for name, m in model.items() if isinstance(m, LoRALinear)} == {"q_proj", "lm_head"}
 
 
