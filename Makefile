@@ -37,7 +37,10 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
 	$(BIN)/python benchmarks/sample.py
+	$(BIN)/python benchmarks/continuous_batching.py
+	$(BIN)/python benchmarks/prefix_cache.py
 	$(BIN)/python benchmarks/memory.py
+	$(BIN)/python benchmarks/logits_memory.py
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/snapshot.py
 	$(BIN)/python benchmarks/fairness.py
