@@ -34,17 +34,24 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def timed_pair(ours: Callable[[], object], baseline: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """Median seconds of each, measured alternately (ABAB...) so drift hits both alike."""
-    ours()
-    baseline()
-    a, b = [], []
+def timed_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, measured in turn (ABCABC...) after one untimed call
+    of each, so drift in the machine's speed hits all of them alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        for fn, times in ((ours, a), (baseline, b)):
+        for name, fn in fns.items():
             start = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - start)
-    return statistics.median(a), statistics.median(b)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def timed_pair(ours: Callable[[], object], baseline: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Median seconds of each, measured alternately (ABAB...) so drift hits both alike."""
+    medians = timed_interleaved({"ours": ours, "baseline": baseline}, repeats)
+    return medians["ours"], medians["baseline"]
 
 
 def result(name: str, ours: float, baseline: float, unit: str = "") -> None:
@@ -52,8 +59,16 @@ def result(name: str, ours: float, baseline: float, unit: str = "") -> None:
     print(f"RESULT {name} ours={ours:.4g} baseline={baseline:.4g} ratio={ours / baseline:.3f}{unit}", flush=True)
 
 
-def peak_matmul_flops(dtype: torch.dtype, n: int = 2048) -> float:
-    """This machine's matmul FLOP/s in ``dtype``, measured now (best of a few)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    seconds = min(timed(lambda: a @ b, repeats=1, warmup=1) for _ in range(3))
-    return 2 * n**3 / seconds
+def model_matmuls(model: torch.nn.Module, rows: int, dtype: torch.dtype) -> tuple[Callable[[], object], float]:
+    """(a function doing every linear layer's matmul of ``model`` once on ``rows`` rows, its
+    FLOPs): the peak a training step of that many tokens could reach on this machine, with
+    the model's own shapes, measured as a step is (interleaved with it)."""
+    shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {k: torch.randn(rows, k, dtype=dtype) for k, _ in shapes}
+    weights = {shape: torch.randn(shape, dtype=dtype) for shape in set(shapes)}
+
+    def run() -> None:
+        for k, n in shapes:
+            inputs[k] @ weights[(k, n)]
+
+    return run, float(sum(2 * rows * k * n for k, n in shapes))

@@ -6,6 +6,16 @@ to its longest sequence, ``model(input_ids, attention_mask, labels)``, backward,
 
     RESULT train_<dtype>_<ragged|dense> ours=<tokens/s> baseline=<tokens/s> ratio=...
     FLOPS  train_<dtype>_<...> fraction_of_peak=...
+    RESULT train_<dtype>_first_step ours=<1/first step s> baseline=<1/warm step s> ratio=...
+
+The peak of the FLOPS line is measured like the step, interleaved with it: every
+linear layer's matmul of the model once, on as many rows as the batch has tokens
+(``common.model_matmuls``), so it moves with the machine's speed as the step does. The
+step's FLOPs count the forward (2 per weight per token) and the backward to the
+activations (2 more; the base is frozen, so no weight gradients), as the peak's do.
+
+The first step is ``create_adapter`` then one step on a new adapter, on a warm host: a
+user's first call after ``create_lora_training_client`` (target: ratio >= 1/1.5).
 
 Run: .venv/bin/python benchmarks/train_step.py [--repeats 2]
 """
@@ -14,9 +24,10 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
 
 import torch
-from common import bundled_folder, peak_matmul_flops, result, timed_pair
+from common import bundled_folder, model_matmuls, result, timed_interleaved
 
 from trio_engine import DEFAULT_MODEL, AdamConfig, Example, ForwardJob, LoraConfig, ModelHost
 
@@ -30,12 +41,12 @@ def batches(vocab: int) -> dict[str, list[list[int]]]:
     return {"ragged": ragged, "dense": dense}
 
 
-def ours_step(host: ModelHost, seqs: list[list[int]]):
+def ours_step(host: ModelHost, seqs: list[list[int]], adapter: str = "bench"):
     examples = [Example(s[:-1], {"target_tokens": s[1:]}) for s in seqs]
 
     def step():
-        host.forward_backward([ForwardJob("bench", examples)])
-        host.optim_step("bench", AdamConfig(learning_rate=1e-4))
+        host.forward_backward([ForwardJob(adapter, examples)])
+        host.optim_step(adapter, AdamConfig(learning_rate=1e-4))
 
     return step
 
@@ -72,9 +83,21 @@ def matmul_params(host: ModelHost) -> int:
     return total - embed + host.unembed.weight.numel()
 
 
+def first_step_seconds(host: ModelHost, seqs: list[list[int]], repeats: int) -> float:
+    """Median time of create_adapter + the first step on it (a new adapter each time)."""
+    times = []
+    for k in range(repeats):
+        start = time.perf_counter()
+        host.create_adapter(f"first-{k}", LoraConfig(rank=32, train_unembed=False))
+        ours_step(host, seqs, f"first-{k}")()
+        times.append(time.perf_counter() - start)
+        host.delete_adapter(f"first-{k}")
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -82,16 +105,20 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         host = ModelHost(DEFAULT_MODEL, dtype=dtype)
         host.create_adapter("bench", LoraConfig(rank=32, train_unembed=False))
-        peak = peak_matmul_flops(dtype)
         for shape, seqs in batches(host.vocab_size).items():
             tokens = sum(len(s) - 1 for s in seqs)
-            ours, base = timed_pair(ours_step(host, seqs), peft_step(dtype, seqs), args.repeats)
+            peak_fn, peak_flops = model_matmuls(host.model, tokens, dtype)
+            medians = timed_interleaved({"ours": ours_step(host, seqs), "baseline": peft_step(dtype, seqs),
+                                         "peak": peak_fn}, args.repeats)
             name = f"train_{dtype_name}_{shape}"
-            result(name, tokens / ours, tokens / base, unit=" (tokens/s)")
-            # forward 2N + backward to activations 2N per token (frozen base: no weight grads)
-            flops = 4 * matmul_params(host) * tokens / ours
+            result(name, tokens / medians["ours"], tokens / medians["baseline"], unit=" (tokens/s)")
+            flops = 4 * matmul_params(host) * tokens / medians["ours"]
+            peak = peak_flops / medians["peak"]
             print(f"FLOPS {name} ours={flops / 1e9:.1f}GFLOP/s peak={peak / 1e9:.1f}GFLOP/s "
                   f"fraction_of_peak={flops / peak:.3f}", flush=True)
+            if shape == "dense":
+                first = first_step_seconds(host, seqs, args.repeats)
+                result(f"train_{dtype_name}_first_step", 1 / first, 1 / medians["ours"], unit=" (1/s)")
         del host
 
 

@@ -158,6 +158,20 @@ def test_stops(tiny_host):
     assert seq.text == tiny_host.tokenizer.decode(seq.tokens, skip_special_tokens=True)
 
 
+def test_text_leaves_out_special_tokens(tiny_host, monkeypatch):
+    """The text of a sequence that drew special tokens (EOS) is its words only."""
+    from trio_engine import sampler
+
+    eos = tiny_host.tokenizer.eos_token_id
+    word = tiny_host.tokenizer.encode("hello", add_special_tokens=False)
+    drawn = iter([word[0], eos, eos])
+    monkeypatch.setattr(sampler, "_draw", lambda logits, rows: torch.tensor([next(drawn)] * len(rows)))
+    config = SamplingConfig(max_tokens=3, temperature=1.0, ignore_eos=True)
+    seq = tiny_host.sample([SampleRequest(None, PROMPTS[0], 1, config)])[0].sequences[0]
+    assert seq.tokens == [word[0], eos, eos]
+    assert seq.text == tiny_host.tokenizer.decode([word[0]]) != tiny_host.tokenizer.decode(seq.tokens)
+
+
 @pytest.mark.parametrize("with_adapter", [False, True])
 def test_compute_logprobs_match_plain_forward(tiny_host, adapted, reference_models, with_adapter):
     """compute_logprobs against a plain transformers forward (adapter merged by hand)."""
