@@ -70,17 +70,21 @@ class Context:
 Result = tuple[pydantic.BaseModel | None, ServiceError | None]
 
 
-def execute(ctx: Context, batch: list[WorkItem]) -> list[Result]:
-    """Run one batch (one op; several items only for batchable ops); one result per item."""
-    started = time.monotonic()
+def _load(ctx: Context) -> ServiceError | None:
+    """Load the model if it is not; a model that fails to load fails its requests, not the worker."""
     _, error = _guard(ctx.engine.load)
-    if error:  # a model that fails to load fails its requests, not the worker
-        failed = ServiceError("server", f"loading {ctx.base_model}: {error.message}", 500)
+    return ServiceError("server", f"loading {ctx.base_model}: {error.message}", 500) if error else None
+
+
+def execute(ctx: Context, batch: list[WorkItem]) -> list[Result]:
+    """Run one batch (one op; several items only for forward(_backward)); one result per item.
+    Sampling does not come here: the worker runs it step by step through ``decode``."""
+    started = time.monotonic()
+    failed = _load(ctx)
+    if failed:
         return [(None, failed)] * len(batch)
     if batch[0].op in ("forward", "forward_backward"):
         results = _forward(ctx, batch)
-    elif batch[0].op == "sample":
-        results = _sample(ctx, batch)
     else:
         results = [_guard(HANDLERS[batch[0].op], ctx, batch[0])]
     elapsed = (time.monotonic() - started) * 1000
@@ -207,14 +211,6 @@ def _forward_output(out: ForwardResult) -> t.ForwardBackwardOutput:
     return t.ForwardBackwardOutput(loss_fn_outputs=per_datum, metrics=out.metrics)
 
 
-def _sample(ctx: Context, batch: list[WorkItem]) -> list[Result]:
-    """A batch of sample requests run to completion together (``decode`` is the incremental way)."""
-    outs, error = _guard(ctx.engine.sample, [_sample_job(ctx, item) for item in batch])
-    if error:
-        return [(None, error)] * len(batch)
-    return [_outcome(out, _sample_response) for out in outs]
-
-
 def _sample_job(ctx: Context, item: WorkItem) -> SampleJob:
     req: t.SampleRequest = item.request
     p = req.sampling_params
@@ -236,11 +232,8 @@ def decode(ctx: Context, admit: list[WorkItem], live: list[str], max_steps: int 
     or the engine no longer holds a request, those requests fail with a server error."""
     results: dict[str, Result] = {}
     jobs: dict[str, SampleJob] = {}
-    if admit:
-        _, error = _guard(ctx.engine.load)
-        if error:
-            failed = ServiceError("server", f"loading {ctx.base_model}: {error.message}", 500)
-            return dict.fromkeys([*live, *(i.request_id for i in admit)], (None, failed))
+    if admit and (failed := _load(ctx)):
+        return dict.fromkeys([*live, *(i.request_id for i in admit)], (None, failed))
     for item in admit:
         job, error = _guard(_sample_job, ctx, item)
         if error:

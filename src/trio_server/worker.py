@@ -9,13 +9,15 @@ Sampling is continuous batching: the worker keeps a decode batch running in the 
 Each turn of the loop admits the sample requests that arrived (``scheduler.next_work``),
 runs at most one other batch (training etc.), then one decode step
 (``handlers.decode``), and resolves every request that finished in that step at once, so
-a short request never waits for a long one it shares the batch with. A large forward or forward_backward request is queued
-one part at a time (``splitting.py``): after each part the worker queues the next (due
-by its user's tag, so other users may go first), and resolves the request once, when
-its last part is done or one failed (``handlers.finish_split`` then merges the parts'
-results, or rolls the run's grads back to before the first part). When idle, the
-worker lets runs whose client went quiet leave memory (``Engine.offload``), and lets a
-run continue past a sequence number that never arrived.
+a short request never waits for a long one it shares the batch with.
+
+A large forward or forward_backward request is queued one part at a time
+(``splitting.py``): after each part the worker queues the next (due by its user's tag,
+so other users may go first), and resolves the request once, when its last part is done
+or one failed (``handlers.finish_split`` then merges the parts' results, or rolls the
+run's grads back to before the first part). When idle, the worker lets runs whose
+client went quiet leave memory (``Engine.offload``), and lets a run continue past a
+sequence number that never arrived.
 """
 
 from __future__ import annotations
@@ -26,9 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import handlers
 from .errors import ServiceError
-from .handlers import Context, Result, execute, finish_split
+from .handlers import Context, Result, decode, execute, finish_split, log_outcome
 from .queueing import OpDurations, QueueInfo, estimate_start
 from .scheduler import Fairness, Work, WorkItem, next_work, stalled_runs
 from .splitting import Split, maybe_split, merge_elapsed, split_of
@@ -147,7 +148,7 @@ class HostWorker:
             self.decoding[item.request_id] = item
             self.admitted_at[item.request_id] = started
         try:
-            results = handlers.decode(self.ctx, admit, live)
+            results = decode(self.ctx, admit, live)
         except Exception as exc:  # a bug: fail the batch's requests, keep the thread (see _execute)
             log.exception("decode step failed unexpectedly; failing its requests")
             error = ServiceError("server", f"internal error while sampling: {type(exc).__name__}: {exc}", 500)
@@ -159,7 +160,7 @@ class HostWorker:
         try:
             for item in finished:
                 result = results[item.request_id]
-                handlers.log_outcome(item, result, (time.monotonic() - self.admitted_at.pop(item.request_id)) * 1000)
+                log_outcome(item, result, (time.monotonic() - self.admitted_at.pop(item.request_id)) * 1000)
                 self.resolve(item, result)
         finally:
             self._done(finished)
