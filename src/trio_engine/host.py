@@ -494,7 +494,7 @@ class ModelHost:
         for k, req in enumerate(requests):
             self.validate_sample(req, k)
         with self.lock, torch.no_grad():
-            return sampler.generate(self, requests)
+            return sampler.generate(self, requests, self.prefix_cache)
 
     def decode_batch(self) -> sampler.DecodeBatch:
         """An empty running decode batch on this host (continuous batching; see ``admit``)."""

@@ -22,7 +22,9 @@ made on ``host.device``; results are Python lists.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import itertools
 import math
 import secrets
 from collections import OrderedDict
@@ -354,13 +356,15 @@ class DecodeBatch:
         )
 
 
-def generate(host: SamplingHost, requests: list[SampleRequest]) -> list[SampleResult]:
+def generate(host: SamplingHost, requests: list[SampleRequest],
+             prefix_cache: PrefixCache | None = None) -> list[SampleResult]:
     """Sample every request's ``num_samples`` sequences; requests must be validated.
 
     All requests are admitted at once and decoded until the last one finishes (a finished
-    request still leaves the batch at once, so later steps are cheaper).
+    request still leaves the batch at once, so later steps are cheaper). ``prefix_cache``:
+    as ``DecodeBatch``'s (the host passes its own).
     """
-    batch = DecodeBatch(host, getattr(host, "prefix_cache", None))
+    batch = DecodeBatch(host, prefix_cache)
     batch.admit(requests)
     results: dict[Hashable, SampleResult] = {}
     while len(batch):
@@ -444,10 +448,14 @@ def _decode(host: SamplingHost, tokens: torch.Tensor, mask: torch.Tensor, cache:
     return out.last_hidden_state[:, -1]
 
 
+@functools.cache
+def _cache_keyword(trunk_type: type) -> str:
+    """transformers 5 renamed ``past_key_values`` to ``cache``; accept both generations."""
+    return "cache" if "cache" in inspect.signature(trunk_type.forward).parameters else "past_key_values"
+
+
 def _trunk(host: SamplingHost, ids, mask, positions, cache: DynamicCache):
-    # transformers 5 renamed past_key_values to cache; accept both generations
-    key = "cache" if "cache" in inspect.signature(host.trunk.forward).parameters else "past_key_values"
-    kwargs = {key: cache}
+    kwargs = {_cache_keyword(type(host.trunk)): cache}
     # No padded row (one prompt length): no mask, so attention takes its causal fast path.
     attention_mask = None if bool(mask.all()) else mask
     return host.trunk(
@@ -478,10 +486,9 @@ def _draw(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         if config.temperature == 0:
             out[idx] = logits[idx].argmax(-1)
             continue
-        per_request: dict[int, tuple[_Admitted, list[int]]] = {}  # in row order
-        for j in js:
-            per_request.setdefault(id(rows[j].owner), (rows[j].owner, []))[1].append(j)
-        u = torch.cat([_uniform(len(mine), owner.gen, logits.device) for owner, mine in per_request.values()])
+        # one number per row, in row order, from the generator of the row's request
+        runs = [list(run) for _, run in itertools.groupby(js, key=lambda j: id(rows[j].owner))]
+        u = torch.cat([_uniform(len(run), rows[run[0]].owner.gen, logits.device) for run in runs])
         out[idx] = _inverse_cdf(filtered_probs(logits[idx], config), u)
     return out
 
@@ -491,13 +498,6 @@ def _rows_index(js: list[int], device: torch.device) -> slice | torch.Tensor:
     if js == list(range(js[0], js[-1] + 1)):
         return slice(js[0], js[-1] + 1)
     return torch.tensor(js, device=device)
-
-
-def sample_tokens(logits: torch.Tensor, c: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
-    """(R, V) fp32 logits -> (R,) tokens: temperature, top-k, top-p, then one draw."""
-    if c.temperature == 0:
-        return logits.argmax(-1)
-    return _inverse_cdf(filtered_probs(logits, c), _uniform(logits.shape[0], gen, logits.device))
 
 
 def filtered_probs(logits: torch.Tensor, c: SamplingConfig) -> torch.Tensor:

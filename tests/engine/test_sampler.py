@@ -1,6 +1,7 @@
 """Sampler vs plain transformers: greedy loops, logprobs, draws vs softmax(logits / T); stops, seeds."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -50,6 +51,43 @@ def adapted(tiny_host):
 def reference_models(tiny_host, adapted):
     """Plain transformers models: the base, and the base with ``adapted`` merged by hand."""
     return {None: merged_model(tiny_host, None), adapted: merged_model(tiny_host, adapted)}
+
+
+def test_a_stop_string_spanning_one_character_tokens_stops_at_its_last(tiny_host, monkeypatch):
+    """A 5-character stop string drawn as 5 one-character tokens: stopped at the fifth."""
+    from trio_engine import sampler
+
+    digits = [tiny_host.tokenizer.convert_tokens_to_ids(d) for d in "12345"]
+    assert tiny_host.tokenizer.decode(digits) == "12345"  # one token per character
+    drawn = iter(digits * 2)
+    monkeypatch.setattr(sampler, "_draw", lambda logits, rows: torch.tensor([next(drawn)] * len(rows)))
+    config = SamplingConfig(max_tokens=8, temperature=1.0, stop_strings=("12345",), ignore_eos=True)
+    seq = tiny_host.sample([SampleRequest(None, PROMPTS[0], 1, config)])[0].sequences[0]
+    assert (seq.tokens, seq.stop_reason) == (digits, "stop")
+
+
+@pytest.mark.parametrize("generation_eos, tokenizer_eos, want", [
+    (None, None, set()), (5, None, {5}), ([5, 7], None, {5, 7}), (None, 3, {3}), ([5, 7], 3, {3, 5, 7}),
+    ("no config", 3, {3}),
+])
+def test_eos_ids_join_the_generation_config_and_the_tokenizer(generation_eos, tokenizer_eos, want):
+    from types import SimpleNamespace
+
+    from trio_engine.sampler import _eos_ids
+
+    config = None if generation_eos == "no config" else SimpleNamespace(eos_token_id=generation_eos)
+    host = SimpleNamespace(model=SimpleNamespace(generation_config=config),
+                           tokenizer=SimpleNamespace(eos_token_id=tokenizer_eos))
+    assert _eos_ids(host) == want
+
+
+def test_sampling_passes_the_kv_cache_by_its_current_name(tiny_host):
+    """No deprecated keyword (transformers 5 calls it ``cache``; ``past_key_values`` warns)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        tiny_host.sample([SampleRequest(None, PROMPTS[0], 2, SamplingConfig(max_tokens=3, seed=1))])
 
 
 @pytest.mark.parametrize("with_adapter", [False, True])
@@ -323,22 +361,81 @@ def test_bad_sampling_input(tiny_host, kwargs, field):
         tiny_host.sample([SampleRequest(None, [1, 2]), req])
 
 
+VOCAB, CONTEXT = 100, 50  # for validate_request, which is pure
+
+
+def valid(**changes) -> SampleRequest:
+    config = {k: changes.pop(k) for k in list(changes) if k in SamplingConfig.__dataclass_fields__}
+    return SampleRequest(None, changes.pop("prompt", [0, VOCAB - 1]), changes.pop("num_samples", 1),
+                         SamplingConfig(**{"max_tokens": 4, **config}))
+
+
+@pytest.mark.parametrize("changes, field, message", [
+    (dict(prompt=[]), "prompt", "must not be empty, got 0"),
+    (dict(num_samples=0), "num_samples", "must be in [1, 1024], got 0"),
+    (dict(num_samples=1025), "num_samples", "must be in [1, 1024], got 1025"),
+    (dict(max_tokens=0), "sampling_params.max_tokens", "must be > 0, got 0"),
+    (dict(temperature=-0.5), "sampling_params.temperature", "must be >= 0, got -0.5"),
+    (dict(temperature=math.inf), "sampling_params.temperature", "must be >= 0, got inf"),
+    (dict(top_p=0.0), "sampling_params.top_p", "must be in (0, 1], got 0.0"),
+    (dict(top_k=-2), "sampling_params.top_k", "must be -1 (off) or >= 0, got -2"),
+    (dict(prompt=[1, 2], max_tokens=CONTEXT - 1), "prompt",
+     f"prompt length + max_tokens exceeds the context of {CONTEXT}, got {CONTEXT + 1}"),
+    (dict(prompt=[1, VOCAB]), "prompt", f"token id {VOCAB} outside the vocabulary [0, {VOCAB})"),
+    (dict(prompt=[-1, 1]), "prompt", f"token id -1 outside the vocabulary [0, {VOCAB})"),
+    (dict(stop_token_ids=(3, VOCAB)), "sampling_params.stop", f"token id {VOCAB} outside the vocabulary [0, {VOCAB})"),
+])
+def test_a_bad_sample_request_is_named_exactly(changes, field, message):
+    """The error names the request's index, the field and the value, word for word."""
+    from trio_engine.sampler import validate_request
+
+    with pytest.raises(InvalidInputError) as info:
+        validate_request(valid(**changes), 3, VOCAB, CONTEXT)
+    assert (str(info.value), info.value.index, info.value.field) == (f"requests[3].{field}: {message}", 3, field)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(prompt=[5]), dict(num_samples=1), dict(num_samples=1024), dict(max_tokens=1), dict(temperature=0.0),
+    dict(top_p=1.0), dict(top_k=-1), dict(top_k=0), dict(prompt=[1, 2], max_tokens=CONTEXT - 2),
+    dict(prompt=[0, VOCAB - 1], stop_token_ids=(0, VOCAB - 1)),
+])
+def test_a_sample_request_at_the_edge_of_every_bound_is_valid(changes):
+    from trio_engine.sampler import validate_request
+
+    validate_request(valid(**changes), 0, VOCAB, CONTEXT)
+
+
 @pytest.mark.parametrize("cfg, allowed", [
     (SamplingConfig(temperature=1.0), {0, 1, 2, 3, 4}),
     (SamplingConfig(temperature=1.0, top_k=2), {0, 1}),
     (SamplingConfig(temperature=1.0, top_p=0.7), {0, 1}),
 ])
 def test_draws_follow_the_filtered_distribution(cfg, allowed):
-    """Empirical frequencies of sample_tokens match softmax of the filtered logits."""
-    from trio_engine.sampler import sample_tokens
+    """Empirical frequencies of inverse-CDF draws match softmax of the filtered logits."""
+    from trio_engine.sampler import _inverse_cdf, filtered_probs
 
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]])).repeat(20_000, 1)
-    draws = sample_tokens(logits, cfg, torch.Generator().manual_seed(0))
+    draws = _inverse_cdf(filtered_probs(logits, cfg), torch.rand(20_000, 1, generator=torch.Generator().manual_seed(0)))
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
     mask = torch.tensor([k in allowed for k in range(5)])
     expected = torch.where(mask, probs, 0) / probs[mask].sum()
     freq = torch.bincount(draws, minlength=5).float() / len(draws)
     assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, -1, 1.0), (0.7, 0, 1.0), (1.0, 2, 1.0), (1.5, 7, 1.0), (1.0, 12, 1.0), (1.0, -1, 0.6), (0.5, 5, 0.8),
+])
+def test_filtered_probs_equal_the_hand_written_filter(rows, temperature, top_k, top_p):
+    """Every row's probabilities are the reference filter's (top_k 0 and -1 are off, a top_k
+    of the vocabulary size or more keeps every token), a single row as well as several."""
+    from trio_engine.sampler import filtered_probs
+
+    logits = torch.randn(rows, 12, generator=torch.Generator().manual_seed(rows))
+    got = filtered_probs(logits, SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
+    want = torch.stack([filtered_distribution(row, temperature, top_k, top_p) for row in logits])
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
 
 
 # -- continuous batching: requests join and leave a running decode batch -------------------
@@ -398,6 +495,16 @@ def test_finished_requests_leave_the_batch_at_once(tiny_host):
     [(ticket, result)] = tiny_host.decode_step(batch)
     assert ticket == "long" and [len(s.tokens) for s in result.sequences] == [5, 5]
     assert len(batch) == 0 and batch.tickets == [] and tiny_host.decode_step(batch) == []
+
+
+def test_a_row_leaving_cuts_even_a_single_unused_column(tiny_host):
+    """The wider prompt (by one token) finishes first: its extra column leaves with it."""
+    greedy = lambda n: SamplingConfig(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    wide, narrow = SampleRequest(None, [5, 6, 7], 1, greedy(1)), SampleRequest(None, [5, 6], 1, greedy(3))
+    batch = tiny_host.decode_batch()
+    tiny_host.admit(batch, [wide, narrow], ["wide", "narrow"])
+    [(ticket, _)] = tiny_host.decode_step(batch)
+    assert ticket == "wide" and batch.width == len(narrow.prompt) + 1
 
 
 # Measured (benchmarks are not needed: a forward pass each), max / mean |sampler - trainer|
@@ -469,6 +576,23 @@ def test_a_next_turn_reuses_the_last_turns_kv_and_samples_as_without_it(tiny_hos
     assert tiny_host.sample([SampleRequest(None, turn2.prompt, 1, cfg)])[0].cached_prompt_tokens == 0
 
 
+def test_prompts_with_and_without_a_cached_prefix_share_one_admission(tiny_host, adapted):
+    """One admission of a prompt extending a cached one and of a prompt with no cached
+    prefix: each samples what it samples with no prefix cache at all."""
+    cfg = SamplingConfig(max_tokens=5, temperature=1.0, seed=41, ignore_eos=True)
+    tiny_host.sample([SampleRequest(adapted, [31, 32, 33, 34, 35], 1, cfg)])
+    requests = [SampleRequest(adapted, [31, 32, 33, 34, 35, 36, 37], 1, cfg),
+                SampleRequest(adapted, [51, 52, 53], 2, cfg)]
+    with torch.no_grad():
+        want = [without_prefix_cache(tiny_host, r) for r in requests]
+    got = tiny_host.sample(requests)
+    assert got[0].cached_prompt_tokens >= 5 and got[1].cached_prompt_tokens == 0
+    for g, w in zip(got, want):
+        assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
+        torch.testing.assert_close(torch.tensor([s.logprobs for s in g.sequences]),
+                                   torch.tensor([s.logprobs for s in w.sequences]), atol=1e-5, rtol=1e-5)
+
+
 def test_changed_weights_never_reuse_old_kv(tiny_host, new_id):
     aid = new_id("prefix")
     tiny_host.create_adapter(aid, LoraConfig(rank=2, seed=3))
@@ -488,7 +612,7 @@ def test_changed_weights_never_reuse_old_kv(tiny_host, new_id):
 
 
 def test_the_prefix_cache_is_bounded_least_recently_used_out_first():
-    from trio_engine.sampler import PrefixCache
+    from trio_engine.sampler import PrefixCache, _kv_bytes
 
     def kv(n):  # one layer, 2 heads, n tokens, dim 4: 2 * 2 * n * 4 * 4 bytes
         return [(torch.zeros(2, n, 4), torch.zeros(2, n, 4))]
@@ -502,5 +626,26 @@ def test_the_prefix_cache_is_bounded_least_recently_used_out_first():
     assert cache.lookup("w", [5, 6, 7, 8, 1])[0] == 0 and cache.lookup("w", [1, 2, 3, 4, 1])[0] == 4
     assert cache.lookup("other", [1, 2, 3, 4, 1])[0] == 0  # per weights
     assert cache.lookup("w", [1, 2, 3, 4])[0] == 0  # a hit leaves a token to run
-    cache.store("w", list(range(20)), kv(20))  # larger than the whole cache: not stored
-    assert cache.lookup("w", list(range(21)))[0] == 0 and cache.nbytes <= cache.max_bytes
+    cache.store("w", list(range(20)), kv(20))  # larger than the whole cache: not stored, nothing leaves
+    assert cache.lookup("w", list(range(21)))[0] == 0 and cache.lookup("w", [1, 2, 3, 4, 1])[0] == 4
+    assert cache.nbytes == sum(_kv_bytes(kv) for kv in cache.entries.values()) <= cache.max_bytes
+    cache.store("w", [1, 2, 3, 4], kv(4))  # already there: counted once
+    assert cache.nbytes == sum(_kv_bytes(kv) for kv in cache.entries.values())
+
+
+def test_the_prefix_cache_fills_to_exactly_its_bound():
+    from trio_engine.sampler import PrefixCache
+
+    def kv(n):  # 64 bytes per token, as above
+        return [(torch.zeros(2, n, 4), torch.zeros(2, n, 4))]
+
+    cache = PrefixCache(max_bytes=64 * 6)
+    cache.store("w", [1, 2], kv(2))
+    cache.store("w", [3, 4, 5, 6], kv(4))  # now exactly full: both stay
+    assert cache.nbytes == cache.max_bytes
+    assert cache.lookup("w", [1, 2, 9])[0] == 2 and cache.lookup("w", [3, 4, 5, 6, 9])[0] == 4
+    cache.store("w", [7, 8], kv(2))  # one token over: the least recently used ([1, 2]) leaves
+    assert cache.lookup("w", [1, 2, 9])[0] == 0 and cache.nbytes == 64 * 6
+    whole = PrefixCache(max_bytes=64 * 3)
+    whole.store("w", [1, 2, 3], kv(3))  # an entry the size of the whole cache fits
+    assert whole.lookup("w", [1, 2, 3, 4])[0] == 3
