@@ -183,6 +183,7 @@ def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
     retrieves; no sleeping)."""
     from pytrio import types as t
     from pytrio.futures import run_sync
+    from trio_server.queueing import QueueInfo
 
     core = ServiceCore(tmp_path, dtype="float32")
     svc = trio.ServiceClient(transport=LocalTransport(core))
@@ -201,8 +202,13 @@ def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
         wait_until(lambda: bool(worker.running), "the first forward to run")
         ids += [forward(run_id) for run_id in runs[1:]]
         states = [run_sync(transport.retrieve(rid, 0)) for rid in ids]
+        at = worker.batch_started + 1.0  # the same at a fixed moment, 1 s into the running batch: exact
+        infos = [worker.queue_info(rid, now=at) for rid in ids]
     assert [(s.status, s.queue_state, s.queue_position) for s in states] == [
         ("pending", "running", 0), ("pending", "queued (position 1)", 1), ("pending", "queued (position 2)", 2)]
+    assert infos == [QueueInfo(running=True, position=0, starts_in=0.0),
+                     QueueInfo(running=False, position=1, starts_in=4.0),
+                     QueueInfo(running=False, position=2, starts_in=9.0)]
     starts = [s.starts_in_seconds for s in states]
     assert starts[0] == 0.0 and 0.0 <= starts[1] <= 5.0 and 0.0 < starts[2] - starts[1] <= 5.1, starts
     assert all(run_sync(transport.retrieve(rid, 60)).status == "done" for rid in ids)
@@ -456,4 +462,61 @@ def test_a_submit_past_a_queue_bound_is_refused_before_anything_changes_and_a_re
     wait_until(lambda: not core.unfinished, "the counts to drain")
     assert core.pending_by_user == {}
     assert core.submit("c", "forward", forward("c"), "key-c")  # room again
+    core.close()
+
+
+def test_a_bug_escaping_a_decode_step_fails_the_requests_decoding_not_the_worker(tmp_path, monkeypatch):
+    """The step that admits a second request (the first one live) raises: both fail with a
+    server error naming the bug, nothing stays decoding, and the next request samples."""
+    from trio_server import worker as worker_module
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    sampler = trio.ServiceClient(transport=LocalTransport(core)).create_sampling_client(base_model=MODEL)
+    worker = core.workers[MODEL]
+    real_decode, outcomes = worker_module.decode, {}
+
+    def broken_once_both_decode(ctx, admit, live):
+        if admit and live:
+            monkeypatch.setattr(worker_module, "decode", real_decode)
+            raise RuntimeError("a bug in a decode step")
+        return real_decode(ctx, admit, live)
+
+    real_resolve = worker.resolve
+    worker.resolve = lambda item, result: (outcomes.setdefault(item.request_id, result), real_resolve(item, result))
+    monkeypatch.setattr(worker_module, "decode", broken_once_both_decode)
+    prompt = trio.ModelInput.from_ints([1, 5, 9, 200])
+    params = trio.SamplingParams(max_tokens=30, temperature=1.0, seed=1, ignore_eos=True)
+    with worker.engine.host.lock:  # the first admission waits, so the second queues behind it
+        futures = [sampler.sample(prompt, 1, params)]
+        wait_until(lambda: bool(worker.decoding), "the first request to be admitted")
+        futures.append(sampler.sample(prompt, 1, params))
+        wait_until(lambda: len(worker.snapshot()) == 1, "the second request to queue")
+    for future in futures:
+        with pytest.raises(trio.ServerError, match="internal error while sampling: RuntimeError: a bug in a decode step"):
+            future.result(timeout=120)
+    assert len(outcomes) == 2 and all(
+        (out, err.category, err.status) == (None, "server", 500) for out, err in outcomes.values())
+    assert not worker.decoding and worker.thread.is_alive()
+    assert len(sampler.sample(prompt, 1, params).result(timeout=120).sequences[0].tokens) == 30
+    core.close()
+
+
+def test_a_sample_records_its_step_times_and_logs_its_time_in_the_batch(tmp_path, caplog):
+    """Each decode step's time goes into the host's recent "sample" durations (queue
+    estimates); the finished request's log line gives its time from admission in ms, which
+    spans all its steps and no more than the wait for its result."""
+    import re
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    sampler = trio.ServiceClient(transport=LocalTransport(core)).create_sampling_client(base_model=MODEL)
+    worker = core.workers[MODEL]
+    params = trio.SamplingParams(max_tokens=20, temperature=1.0, seed=2, ignore_eos=True)
+    with caplog.at_level("INFO", logger="trio"):
+        started = time.monotonic()
+        sampler.sample(trio.ModelInput.from_ints([1, 5, 9, 200]), 1, params).result(timeout=120)
+        waited = time.monotonic() - started
+    steps = list(worker.durations.recent["sample"])
+    assert len(steps) == worker.decode_steps >= 20 and all(s > 0 for s in steps)
+    [ms] = [float(m.group(1)) for r in caplog.records if (m := re.search(r"op=sample ms=(\d+)", r.getMessage()))]
+    assert 1000 * sum(steps) - 0.5 <= ms <= 1000 * waited + 0.5, (ms, sum(steps), waited)
     core.close()

@@ -91,6 +91,7 @@ def test_a_split_request_gives_the_unsplit_result_metrics_and_grads(core):
     finally:
         del worker.engine.forward_backward
     assert seen == [[(split_run.model_id, 2)], [(split_run.model_id, 2)], [(split_run.model_id, 1)]]
+    assert split.elapsed_time > 0  # the parts' engine time, summed
     assert split.metrics.keys() == whole.metrics.keys() == {"loss:sum", "ratio:mean"}
     for name, value in whole.metrics.items():
         assert split.metrics[name] == pytest.approx(value, rel=1e-5)
@@ -171,3 +172,23 @@ def test_a_pass_holds_no_more_than_max_pass_tokens_even_when_parts_could_share_i
     finally:
         del worker.engine.forward_backward
     assert len(seen) == 4 and all(sum(n for _, n in jobs) * 6 <= PASS_TOKENS for jobs in seen), seen
+
+
+def test_a_bug_merging_the_parts_fails_that_request_not_the_worker(core, monkeypatch):
+    from trio_server import worker as worker_module
+
+    def broken(ctx, split, error):
+        raise RuntimeError("a bug merging")
+
+    tc = trainer(core, seed=11)
+    worker, outcomes = core.workers[MODEL], []
+    real_resolve = worker.resolve
+    monkeypatch.setattr(worker, "resolve", lambda item, result: (outcomes.append(result), real_resolve(item, result)))
+    monkeypatch.setattr(worker_module, "finish_split", broken)
+    with pytest.raises(trio.ServerError, match="internal error merging parts: RuntimeError: a bug merging"):
+        tc.forward_backward([rl_datum()] * 3, "importance_sampling").result(timeout=120)
+    [(out, err)] = outcomes
+    assert (out, err.category, err.status) == (None, "server", 500)
+    monkeypatch.undo()
+    assert worker.thread.is_alive()
+    assert trainer(core, seed=12).forward([datum()]).result(timeout=120).loss_fn_outputs  # the next one runs
