@@ -96,8 +96,10 @@ class HostWorker:
             if item is None:
                 return None
             ahead = [i.op for i in self.pending if i.arrival < item.arrival]
-            running_op = self.running_op if self.running else None
-            running_for = (time.monotonic() if now is None else now) - self.batch_started
+            running_op, running_for = None, 0.0  # nothing running: nothing left of it
+            if self.running:
+                running_op = self.running_op
+                running_for = (time.monotonic() if now is None else now) - self.batch_started
             return QueueInfo(running=False, position=len(self.running) + len(ahead),
                              starts_in=estimate_start(self.durations, ahead, running_op, running_for))
 

@@ -140,14 +140,17 @@ def test_every_family_samples_with_trainer_logprobs(family_host, new_id):
 
 
 def test_mixed_adapters_and_requests_equal_solo(tiny_host, adapted):
+    """Rows of one sampling config interleaved with another's (greedy rows 0 and 3, sampled
+    rows 1, 2 and 4): each request draws what it draws alone."""
     greedy = SamplingConfig(max_tokens=5, temperature=0.0)
-    reqs = [SampleRequest(adapted, PROMPTS[0], 1, greedy), SampleRequest(None, PROMPTS[0], 1, greedy),
-            SampleRequest(adapted, PROMPTS[2], 2, SamplingConfig(max_tokens=7, temperature=0.8, seed=4))]
+    sampled = lambda seed: SamplingConfig(max_tokens=7, temperature=0.8, seed=seed)  # noqa: E731
+    reqs = [SampleRequest(adapted, PROMPTS[0], 1, greedy), SampleRequest(adapted, PROMPTS[2], 2, sampled(4)),
+            SampleRequest(None, PROMPTS[0], 1, greedy), SampleRequest(None, PROMPTS[1], 1, sampled(5))]
     together = tiny_host.sample(reqs)
     for req, got in zip(reqs, together):
         alone = tiny_host.sample([req])[0]
         assert [s.tokens for s in got.sequences] == [s.tokens for s in alone.sequences]
-    assert together[0].sequences[0].tokens != together[1].sequences[0].tokens  # the adapter matters
+    assert together[0].sequences[0].tokens != together[2].sequences[0].tokens  # the adapter matters
 
 
 def test_seed_reproduces_and_varies(tiny_host):

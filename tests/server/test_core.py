@@ -17,8 +17,11 @@ MODEL = "trio/tiny-llama"
 
 
 
-def test_forward_backward_of_different_runs_share_one_pass(tmp_path):
-    core = ServiceCore(tmp_path, dtype="float32")
+@pytest.mark.parametrize("max_batch_tokens, passes", [(8192, [3]), (14, [2, 1])])
+def test_forward_backward_of_different_runs_share_one_pass(tmp_path, max_batch_tokens, passes):
+    """Three runs' 7-token requests queued together: one pass, or as many as the batch
+    token limit asks (14 holds two)."""
+    core = ServiceCore(tmp_path, dtype="float32", limits=Limits(max_batch_tokens=max_batch_tokens))
     svc = trio.ServiceClient(transport=LocalTransport(core))
     runs = [svc.create_lora_training_client(base_model=MODEL, rank=2, seed=k) for k in range(3)]
     engine = core.workers[MODEL].engine
@@ -41,7 +44,7 @@ def test_forward_backward_of_different_runs_share_one_pass(tmp_path):
         wait_until(lambda: len(worker.snapshot()) == 3, "all three to queue")
     blocker.result()
     results = [f.result() for f in futures]
-    assert calls == [3], calls
+    assert calls == passes, calls
     assert all(r.metrics["loss:sum"] > 0 for r in results)
     core.close()
 
@@ -519,4 +522,30 @@ def test_a_sample_records_its_step_times_and_logs_its_time_in_the_batch(tmp_path
     assert len(steps) == worker.decode_steps >= 20 and all(s > 0 for s in steps)
     [ms] = [float(m.group(1)) for r in caplog.records if (m := re.search(r"op=sample ms=(\d+)", r.getMessage()))]
     assert 1000 * sum(steps) - 0.5 <= ms <= 1000 * waited + 0.5, (ms, sum(steps), waited)
+    core.close()
+
+
+def test_a_user_who_used_the_host_waits_behind_one_who_did_not(tmp_path):
+    """Fair queueing remembers between batches: user a ran a long request, so a's next
+    request, queued before b's, runs after it (with no memory, arrival order would win)."""
+    core = ServiceCore(tmp_path, dtype="float32")
+    a, b, c = (trio.ServiceClient(transport=LocalTransport(core, user)).create_lora_training_client(
+        base_model=MODEL, rank=2) for user in "abc")
+    long = list(range(1, 200))
+    a.forward([trio.Datum(model_input=trio.ModelInput.from_ints(long[:-1]),
+                          loss_fn_inputs={"target_tokens": long[1:]})]).result()
+    worker, order = core.workers[MODEL], []
+    real_resolve = worker.resolve
+    worker.resolve = lambda item, result: (order.append(item.user_id), real_resolve(item, result))
+    toks = list(range(1, 9))
+    d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+    with worker.engine.host.lock:  # c's request runs and blocks; a's then b's queue behind it
+        blocker = c.forward([d])
+        wait_until(lambda: bool(worker.running), "c's request to run")
+        queued = [a.forward([d]), b.forward_backward([d])]  # two ops: two batches, in fair order
+        wait_until(lambda: len(worker.snapshot()) == 2, "a's and b's requests to queue")
+    blocker.result()
+    for future in queued:
+        future.result()
+    assert order == ["c", "b", "a"], order
     core.close()
