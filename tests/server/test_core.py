@@ -549,3 +549,22 @@ def test_a_user_who_used_the_host_waits_behind_one_who_did_not(tmp_path):
         future.result()
     assert order == ["c", "b", "a"], order
     core.close()
+
+
+def test_a_script_that_never_closes_its_core_still_exits(tmp_path):
+    """The worker thread must not keep the interpreter alive (embedded users rarely close)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import pytrio as trio\n"
+        "from pytrio.transport.local import LocalTransport\n"
+        "from trio_server.core import ServiceCore\n"
+        f"core = ServiceCore({str(tmp_path)!r}, dtype='float32')\n"
+        f"trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model={MODEL!r}, rank=2)\n"
+        "print('trained nothing, exiting')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-2000:]
