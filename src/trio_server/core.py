@@ -13,6 +13,7 @@ embedded default) and the FastAPI app behind ``trio serve``.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import logging
@@ -178,6 +179,10 @@ class ServiceCore:
         self.pending_by_user: Counter[str] = Counter()  # accepted, unfinished requests (queue bounds)
         self.unfinished: set[str] = set()  # their request ids
         self._recover()
+        # Stop the workers before the interpreter tears down: a worker thread still inside
+        # torch while C++ statics are destroyed aborts the process ("terminate called
+        # without an active exception"), and scripts rarely close an embedded service.
+        atexit.register(self.close)
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -657,6 +662,8 @@ class ServiceCore:
         return ckpt.archive(folder, self.data_dir / "archives")
 
     def close(self) -> None:
+        """Stop every worker (each finishes its running batch); at exit if not called before."""
+        atexit.unregister(self.close)
         for worker in list(self.workers.values()):
             worker.stop()
 
