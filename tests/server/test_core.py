@@ -95,6 +95,8 @@ def test_old_futures_leave_memory_but_stay_retrievable(tmp_path, monkeypatch):
     for _ in range(4):
         tc.get_info()
     assert first not in core.futures and failing not in core.futures  # forgotten in memory
+    assert len(core.futures.keys() & {rid for _, rid, _ in core.finished}) == len(core.finished) == 2  # the last 2
+    assert first not in core.owners and ("local", "key-1") not in core.idempotency  # and its owner, its key
     assert run_sync(transport.retrieve(first, 10)) == want  # the store still answers
     again = run_sync(transport.retrieve(failing, 10))  # errors too (but the store keeps no status code)
     assert (again.status, again.error.category, again.error.message) == ("failed", "validation", failed.error.message)
