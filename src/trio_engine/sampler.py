@@ -28,7 +28,7 @@ import itertools
 import math
 import secrets
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -449,13 +449,14 @@ def _decode(host: SamplingHost, tokens: torch.Tensor, mask: torch.Tensor, cache:
 
 
 @functools.cache
-def _cache_keyword(trunk_type: type) -> str:
-    """transformers 5 renamed ``past_key_values`` to ``cache``; accept both generations."""
-    return "cache" if "cache" in inspect.signature(trunk_type.forward).parameters else "past_key_values"
+def _cache_keyword(forward: Callable[..., Any]) -> str:
+    """transformers 5 renamed ``past_key_values`` to ``cache``; accept both generations
+    (looked up once per trunk class's ``forward``, not at every decode step)."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def _trunk(host: SamplingHost, ids, mask, positions, cache: DynamicCache):
-    kwargs = {_cache_keyword(type(host.trunk)): cache}
+    kwargs = {_cache_keyword(type(host.trunk).forward): cache}
     # No padded row (one prompt length): no mask, so attention takes its causal fast path.
     attention_mask = None if bool(mask.all()) else mask
     return host.trunk(
