@@ -362,12 +362,13 @@ class ModelHost:
         return [self._collect(j, job, outputs) for j, job in enumerate(jobs)]
 
     def _micro_batches(self, jobs: list[ForwardJob], rows: list[tuple[int, int]]):
-        """Rows sorted by length, split where padding costs more than another pass."""
+        """Rows sorted by length, split where padding costs more than another pass; within
+        a micro-batch an adapter's rows are consecutive (one slice per adapter for LoRA)."""
         ordered = sorted(rows, key=lambda r: -len(jobs[r[0]].examples[r[1]].tokens))
         lengths = [len(jobs[j].examples[i].tokens) for j, i in ordered]
         start = 0
         for end in split_by_length(lengths, self.max_batch_tokens):
-            yield ordered[start:end]
+            yield sorted(ordered[start:end], key=lambda r: jobs[r[0]].adapter_id or "")
             start = end
 
     def _run_micro_batch(self, jobs: list[ForwardJob], micro: list[tuple[int, int]], backward: bool):
@@ -380,7 +381,7 @@ class ModelHost:
             [ex.tokens + [pad] * (width - len(ex.tokens)) for ex in examples], device=dev
         )  # (B, T)
         row_adapters = [jobs[j].adapter_id for j, _ in micro]
-        with self.routing.use(lora.segments(row_adapters, dev)):
+        with self.routing.use(lora.segments(row_adapters)):
             hidden = self.trunk(input_ids=input_ids).last_hidden_state  # (B, T, H)
         # real tokens only, flattened: (N, H)
         real = torch.arange(width, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
@@ -447,7 +448,7 @@ class ModelHost:
     ) -> torch.Tensor:
         # routing is set here, inside the checkpointed function, so the backward's
         # recomputation routes the chunk's rows to their adapters again
-        with self.routing.use(lora.segments(token_adapters, hidden.device)):
+        with self.routing.use(lora.segments(token_adapters)):
             logits = self.unembed(hidden)  # (n, V) fp32
         return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # (n,)
 

@@ -6,10 +6,13 @@ Each target ``nn.Linear`` is wrapped once in a ``LoRALinear`` that holds, per ad
     y = x W0^T + (alpha / r) * (x A_a^T) B_a^T
 
 Rows are routed by a ``Routing`` object shared by all wrappers of a model and set by
-the host before each forward: a list of (adapter_id, row indices). Rows that no
-segment names run the plain base model. One batch can therefore hold rows of several
+the host before each forward: a list of (adapter_id, run of consecutive rows). Rows that
+no run names run the plain base model. One batch can therefore hold rows of several
 users' adapters (one forward pass for many ``forward_backward`` calls); each row's
-result equals a run of its adapter alone.
+result equals a run of its adapter alone. Callers put an adapter's rows next to each
+other (the host does), so a batch of k adapters is k slices of the activations: their
+gradients go back through one split, not through a scatter into full-size zeros per
+adapter, which made a 4-adapter pass 30% slower than a 1-adapter pass of the same size.
 
 The LoRA parameters are kept in fp32 (they are the optimizer's master weights) and cast
 to the activations' dtype in forward. They live on the base layer's device; their
@@ -18,6 +21,7 @@ initial values are drawn on the CPU, so a seed gives the same adapter on every d
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -32,7 +36,6 @@ from .errors import InvalidInputError
 # 2025): with scale α/r, the optimal learning rate is nearly rank-independent.
 LORA_ALPHA = 32.0
 MAX_RANK = 256
-
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,12 @@ class Routing:
     """Which batch rows use which adapter for the next forward. Shared by all wrappers."""
 
     def __init__(self) -> None:
-        self.segments: list[tuple[str, torch.Tensor | None]] = []
+        self.segments: list[tuple[str, slice | None]] = []
 
     @contextmanager
-    def use(self, segments: list[tuple[str, torch.Tensor | None]]) -> Iterator[None]:
-        """Route rows: ``[(adapter_id, row_indices or None for all rows)]``."""
+    def use(self, segments: list[tuple[str, slice | None]]) -> Iterator[None]:
+        """Route rows: ``[(adapter_id, slice of rows, or None for all rows)]``, the slices
+        in row order and disjoint (as ``segments`` makes them)."""
         previous, self.segments = self.segments, segments
         try:
             yield
@@ -123,21 +127,22 @@ class LoRALinear(nn.Module):
         self.lora_B.pop(adapter_id, None)
         self.scales.pop(adapter_id, None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, in)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, in) or (N, in)
         out = self.base(x)  # (B, T, out)
-        for adapter_id, rows in self.routing.segments:
-            if adapter_id not in self.lora_A:
-                continue
-            a = self._as(self.lora_A[adapter_id], x.dtype)
-            b = self._as(self.lora_B[adapter_id], x.dtype)
-            scale = self.scales[adapter_id]
-            if rows is None:
-                out = _add_low_rank(out, x, a, b, scale)
-            else:
-                rows = rows.to(x.device)  # no-op when built on the device, as the host does
-                delta = _add_low_rank(torch.zeros_like(out[rows]), x[rows], a, b, scale)  # (rows, T, out)
-                out = out.index_add(0, rows, delta)
-        return out
+        runs = [(adapter_id, rows) for adapter_id, rows in self.routing.segments if adapter_id in self.lora_A]
+        if not runs:
+            return out
+        if runs[0][1] is None:  # one adapter, every row
+            return self._adapted(out, x, runs[0][0])
+        cuts, owners = _cut_at_runs(runs, x.shape[0])
+        parts = zip(out.split(cuts), x.split(cuts), owners)
+        return torch.cat([o if a is None else self._adapted(o, xs, a) for o, xs, a in parts])
+
+    def _adapted(self, out: torch.Tensor, x: torch.Tensor, adapter_id: str) -> torch.Tensor:
+        """``out`` + this layer's low-rank update of adapter ``adapter_id`` on ``x``."""
+        a = self._as(self.lora_A[adapter_id], x.dtype)
+        b = self._as(self.lora_B[adapter_id], x.dtype)
+        return _add_low_rank(out, x, a, b, self.scales[adapter_id])
 
 
 def _add_low_rank(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
@@ -145,6 +150,26 @@ def _add_low_rank(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     flat = out.reshape(-1, out.shape[-1])  # (B·T, out)
     low = x.reshape(-1, x.shape[-1]) @ a.t()  # (B·T, r)
     return torch.addmm(flat, low, b.t(), alpha=scale).view(out.shape)
+
+
+def _cut_at_runs(runs: list[tuple[str, slice | None]], rows: int) -> tuple[list[int], list[str | None]]:
+    """The sizes of the parts that the runs' ends cut ``rows`` rows into, and each part's
+    adapter (None between runs: those rows keep the base output)."""
+    cuts: list[int] = []
+    owners: list[str | None] = []
+    position = 0
+    for adapter_id, run in runs:
+        span = run or slice(0, rows)
+        if span.start > position:
+            cuts.append(span.start - position)
+            owners.append(None)
+        cuts.append(span.stop - span.start)
+        owners.append(adapter_id)
+        position = span.stop
+    if position < rows:
+        cuts.append(rows - position)
+        owners.append(None)
+    return cuts, owners
 
 
 def install(model: nn.Module, suffixes: Collection[str]) -> Routing:
@@ -194,17 +219,17 @@ def adapter_tensors(model: nn.Module, adapter_id: str) -> dict[str, torch.Tensor
     return tensors
 
 
-def segments(
-    row_adapters: Sequence[str | None], device: torch.device | str | None = None
-) -> list[tuple[str, torch.Tensor | None]]:
-    """Group rows by adapter: [(adapter_id, row indices, or None when it has all rows)].
-
-    The row indices are built on ``device`` (the activations' device; default CPU).
-    """
-    groups: dict[str, list[int]] = {}
-    for row, adapter_id in enumerate(row_adapters):
+def segments(row_adapters: Sequence[str | None]) -> list[tuple[str, slice | None]]:
+    """Runs of consecutive rows of one adapter, in row order: [(adapter_id, slice of rows)],
+    or [(adapter_id, None)] when one adapter has every row. Rows of None run the base
+    model. An adapter whose rows are not consecutive gets one run per stretch."""
+    runs: list[tuple[str, slice | None]] = []
+    start = 0
+    for adapter_id, group in itertools.groupby(row_adapters):
+        stop = start + len(list(group))
         if adapter_id is not None:
-            groups.setdefault(adapter_id, []).append(row)
-    if len(groups) == 1 and len(next(iter(groups.values()))) == len(row_adapters):
-        return [(next(iter(groups)), None)]
-    return [(a, torch.tensor(rows, device=device)) for a, rows in groups.items()]
+            runs.append((adapter_id, slice(start, stop)))
+        start = stop
+    if len(runs) == 1 and runs[0][1] == slice(0, len(row_adapters)):
+        return [(runs[0][0], None)]
+    return runs

@@ -420,7 +420,7 @@ def _prefill(host: SamplingHost, requests: list[SampleRequest], cache: DynamicCa
         mask = torch.cat([torch.tensor([[0] * (past - n) + [1] * n for n, _ in hits], device=dev), mask], dim=1)
         _fill_cache(cache, [kv for _, kv in hits], past)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
-    with host.routing.use(lora.segments([r.adapter_id for r in requests], dev)):
+    with host.routing.use(lora.segments([r.adapter_id for r in requests])):
         out = _trunk(host, ids, mask, positions, cache)
     return out.last_hidden_state[:, -1], mask
 
@@ -443,7 +443,7 @@ def _row_kv(cache: DynamicCache, mask: torch.Tensor, row: int) -> KV:
 def _decode(host: SamplingHost, tokens: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, adapters):
     """One step for every live row: (R,) new tokens -> (R, H) hidden states."""
     positions = (mask.sum(-1, keepdim=True) - 1)  # (R, 1)
-    with host.routing.use(lora.segments(adapters, host.device)):
+    with host.routing.use(lora.segments(adapters)):
         out = _trunk(host, tokens[:, None], mask, positions, cache)
     return out.last_hidden_state[:, -1]
 
@@ -465,7 +465,7 @@ def _trunk(host: SamplingHost, ids, mask, positions, cache: DynamicCache):
 
 
 def _logits(host: SamplingHost, hidden: torch.Tensor, adapters) -> torch.Tensor:
-    with host.routing.use(lora.segments(adapters, hidden.device)):
+    with host.routing.use(lora.segments(adapters)):
         return host.unembed(hidden).float()  # (R, V)
 
 

@@ -140,8 +140,9 @@ def test_removing_an_adapter_drops_its_weights_and_casts_only():
         layer.add(aid, rank=2, scale=1.0, gen=torch.Generator().manual_seed(0))
     x = torch.randn(1, 3, 6, dtype=torch.bfloat16)
     layer.base.to(torch.bfloat16)
-    with torch.no_grad(), routing.use([("a", None), ("b", None)]):
-        layer(x)  # fills the bf16 cast cache for both adapters
+    for aid in ("a", "b"):
+        with torch.no_grad(), routing.use([(aid, None)]):
+            layer(x)  # fills the bf16 cast cache for both adapters
     kept = {k for k in layer._casts if k[0] in (id(layer.lora_A["b"]), id(layer.lora_B["b"]))}
     assert len(kept) == 2 and len(layer._casts) == 4
     layer.remove("a")
@@ -149,16 +150,58 @@ def test_removing_an_adapter_drops_its_weights_and_casts_only():
     assert set(layer._casts) == kept
 
 
-def test_segments_group_rows_by_adapter():
+def test_segments_are_runs_of_one_adapter():
     from trio_engine.lora import segments
 
-    def plain(segs):
-        return [(a, None if rows is None else rows.tolist()) for a, rows in segs]
+    assert segments(["a", "a"]) == [("a", None)]  # every row: no slicing needed
+    assert segments(["a", None]) == [("a", slice(0, 1))]  # row 1 runs the base model
+    assert segments([None, "a", "a", "b", "a"]) == [("a", slice(1, 3)), ("b", slice(3, 4)), ("a", slice(4, 5))]
+    assert segments([None, None]) == []
+    assert segments([]) == []
 
-    assert plain(segments(["a", "a"])) == [("a", None)]  # every row: no index needed
-    assert plain(segments(["a", None])) == [("a", [0])]  # row 1 runs the base model
-    assert plain(segments(["a", "b", "a"])) == [("a", [0, 2]), ("b", [1])]
-    assert plain(segments([None, None])) == []
+
+@pytest.mark.parametrize("row_adapters", [
+    ["a", "a", None, "b", "a"],  # runs with a gap in the middle, an adapter twice
+    [None, "b", "b", "a", None],  # base rows at both ends
+    ["b", None, None, None, None],
+])
+def test_rows_of_several_adapters_match_the_formula(row_adapters):
+    """Each row: W0 x + (alpha/r) B_a A_a x for its own adapter (the base alone for None),
+    and each adapter's gradients come from its own rows only."""
+    from trio_engine.lora import segments
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(12, 7)
+    routing = Routing()
+    layer = LoRALinear(base, routing)
+    for aid, rank in (("a", 4), ("b", 2)):
+        layer.add(aid, rank=rank, scale=LORA_ALPHA / rank, gen=torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            layer.lora_B[aid].normal_()
+    x = torch.randn(len(row_adapters), 3, 12)
+    with routing.use(segments(row_adapters)):
+        (layer(x) ** 2).sum().backward()
+    got = {k: (layer.lora_A[k].grad, layer.lora_B[k].grad) for k in ("a", "b")}
+
+    want = []
+    ref = {k: (layer.lora_A[k].detach().clone().requires_grad_(), layer.lora_B[k].detach().clone().requires_grad_())
+           for k in ("a", "b")}
+    for row, aid in zip(x, row_adapters):
+        y = base(row)
+        if aid is not None:
+            a, b = ref[aid]
+            y = y + layer.scales[aid] * (row @ a.T @ b.T)
+        want.append(y)
+    want = torch.stack(want)
+    (want**2).sum().backward()
+    with torch.no_grad(), routing.use(segments(row_adapters)):
+        torch.testing.assert_close(layer(x), want, atol=TOL, rtol=TOL)
+    for k in ("a", "b"):
+        for ours, theirs in zip(got[k], ref[k]):
+            if theirs.grad is None:  # an adapter with no rows gets no gradient
+                assert ours is None
+            else:
+                torch.testing.assert_close(ours, theirs.grad, atol=1e-4, rtol=1e-4)
 
 
 def test_rank_bounds():
