@@ -18,7 +18,10 @@ Log calls are not mutated (``do_not_mutate_patterns``): their text is for operat
 Mutant names carry a number per function, so an edit to a function renumbers its
 mutants: rerun, then check the survivors this script prints and update the list.
 
-Usage: python tests/mutation/mutate.py [--report-only] [--jobs N]
+A run checks only the mutants without a result (mutmut keeps them in ``mutants/``), so an
+interrupted run goes on where it stopped; ``--rerun`` checks everything again.
+
+Usage: python tests/mutation/mutate.py [--report-only] [--rerun] [--jobs N]
 """
 
 from __future__ import annotations
@@ -53,11 +56,31 @@ MODULES: dict[str, list[str]] = {
 KILLED = {"killed", "timeout", "caught by type check"}
 
 
-def run_mutmut(jobs: int) -> None:
+def in_scope(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, p) for group in MODULES.values() for p in group)
+
+
+def run_mutmut(jobs: int, rerun: bool) -> None:
+    """Run the in-scope mutants that have no result yet (all of them with ``rerun``).
+
+    mutmut reruns every mutant it is *named* (a pattern counts), so the patterns go to it
+    only for a first or full run; otherwise it gets the exact names still unchecked. Its
+    run starts by regenerating the mutants of edited functions, which clears their
+    results, so this loops until nothing in scope is left unchecked.
+    """
     patterns = [p for group in MODULES.values() for p in group]
-    cmd = [MUTMUT, "run", "--max-children", str(jobs), *patterns]
-    print("$", " ".join(cmd[:4]), f"<{len(patterns)} patterns>", flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=False)
+    for _ in range(3):  # a run may reset edited functions: check those again
+        status = results() if (ROOT / "mutants").is_dir() else {}
+        todo = sorted(n for n, s in status.items() if in_scope(n) and s == "not checked")
+        if rerun or not any(map(in_scope, status)):
+            names, rerun = patterns, False
+        elif todo:
+            names = todo
+        else:
+            return
+        print(f"$ mutmut run --max-children {jobs} <{len(names)} {'patterns' if names is patterns else 'mutants'}>",
+              flush=True)
+        subprocess.run([MUTMUT, "run", "--max-children", str(jobs), *names], cwd=ROOT, check=False)
 
 
 def results() -> dict[str, str]:
@@ -99,8 +122,7 @@ def report(status: dict[str, str], equivalent: dict[str, str]) -> bool:
         ok &= score >= TARGET and not counts["unchecked"]
         print(f"{module:46} {len(names):7} {counts['killed']:7} {counts['equivalent']:6} "
               f"{counts['survived']:8} {counts['unchecked']:9} {score:7.1%}")
-    in_scope = [n for n in status if any(fnmatch.fnmatch(n, p) for g in MODULES.values() for p in g)]
-    survivors = sorted(n for n in in_scope if verdict(n, status, equivalent) == "survived")
+    survivors = sorted(n for n in status if in_scope(n) and verdict(n, status, equivalent) == "survived")
     if survivors:
         print("\nSurvivors not listed as equivalent (see `mutmut show NAME`):")
         for name in survivors:
@@ -119,9 +141,10 @@ def main() -> int:
     parser.add_argument("--report-only", action="store_true", help="print the last run's scores")
     # twice the cores: mutants that stall a queue sleep until their timeout
     parser.add_argument("--jobs", type=int, default=2 * (os.cpu_count() or 1))
+    parser.add_argument("--rerun", action="store_true", help="rerun mutants that already have a result")
     args = parser.parse_args()
     if not args.report_only:
-        run_mutmut(args.jobs)
+        run_mutmut(args.jobs, args.rerun)
     return 0 if report(results(), equivalent_mutants()) else 1
 
 
