@@ -90,7 +90,7 @@ def tokens(item: WorkItem) -> int:
     params = getattr(req, "sampling_params", None)
     if params is None:  # compute_logprobs: one pass over the prompt
         return int(prompt.length)
-    return int(prompt.length + getattr(req, "num_samples", 1) * (params.max_tokens or 0))
+    return int(prompt.length + req.num_samples * params.max_tokens)  # both required by SampleRequest
 
 
 def cost(item: WorkItem) -> int:

@@ -217,6 +217,7 @@ def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
     starts = [s.starts_in_seconds for s in states]
     assert starts[0] == 0.0 and 0.0 <= starts[1] <= 5.0 and 0.0 < starts[2] - starts[1] <= 5.1, starts
     assert all(run_sync(transport.retrieve(rid, 60)).status == "done" for rid in ids)
+    assert worker.queued_at == {}  # what left the queue took its queue time along (no leak)
     core.close()
 
 
