@@ -102,6 +102,9 @@ def test_a_user_far_ahead_does_not_join_a_light_users_batch_but_its_own_runs_sha
     assert [i.request_id for i in next_batch(pending, {}, fair=fair)] == ["l0", "o0"]
     fair = Fairness(vtime=100.0, finish={"other": 100.0 + 43})
     assert [i.request_id for i in next_batch(pending, {}, fair=fair)] == ["l0"]
+    # measured from the head's own tag, not from virtual time, when the head is ahead of it
+    fair = Fairness(vtime=100.0, finish={"light": 500.0, "other": 500.0 + 42})
+    assert [i.request_id for i in next_batch(pending, {}, fair=fair)] == ["l0", "o0"]
 
 
 def test_the_token_budget_bounds_a_batch_but_a_larger_request_still_runs_alone():
