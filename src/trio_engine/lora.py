@@ -26,6 +26,7 @@ import math
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -134,7 +135,7 @@ class LoRALinear(nn.Module):
             return out
         if runs[0][1] is None:  # one adapter, every row
             return self._adapted(out, x, runs[0][0])
-        cuts, owners = _cut_at_runs(runs, x.shape[0])
+        cuts, owners = _cut_at_runs(cast(list[tuple[str, slice]], runs), x.shape[0])  # only slices past one None
         parts = zip(out.split(cuts), x.split(cuts), owners)
         return torch.cat([o if a is None else self._adapted(o, xs, a) for o, xs, a in parts])
 
@@ -152,20 +153,19 @@ def _add_low_rank(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     return torch.addmm(flat, low, b.t(), alpha=scale).view(out.shape)
 
 
-def _cut_at_runs(runs: list[tuple[str, slice | None]], rows: int) -> tuple[list[int], list[str | None]]:
+def _cut_at_runs(runs: list[tuple[str, slice]], rows: int) -> tuple[list[int], list[str | None]]:
     """The sizes of the parts that the runs' ends cut ``rows`` rows into, and each part's
     adapter (None between runs: those rows keep the base output)."""
     cuts: list[int] = []
     owners: list[str | None] = []
     position = 0
     for adapter_id, run in runs:
-        span = run or slice(0, rows)
-        if span.start > position:
-            cuts.append(span.start - position)
+        if run.start > position:
+            cuts.append(run.start - position)
             owners.append(None)
-        cuts.append(span.stop - span.start)
+        cuts.append(run.stop - run.start)
         owners.append(adapter_id)
-        position = span.stop
+        position = run.stop
     if position < rows:
         cuts.append(rows - position)
         owners.append(None)
