@@ -485,6 +485,7 @@ def test_finished_requests_leave_the_batch_at_once(tiny_host):
     short = SampleRequest(None, PROMPTS[2], 3, fixed(2))  # the longer prompt: the widest columns
     long = SampleRequest(None, PROMPTS[1], 2, fixed(5))
     batch = tiny_host.decode_batch()
+    assert batch.width == 0  # no cache yet
     tiny_host.admit(batch, [short, long], ["short", "long"])
     assert len(batch) == 5 and batch.tickets == ["short", "long"]
     assert tiny_host.decode_step(batch) == []
@@ -498,6 +499,7 @@ def test_finished_requests_leave_the_batch_at_once(tiny_host):
     [(ticket, result)] = tiny_host.decode_step(batch)
     assert ticket == "long" and [len(s.tokens) for s in result.sequences] == [5, 5]
     assert len(batch) == 0 and batch.tickets == [] and tiny_host.decode_step(batch) == []
+    assert batch.width == 0  # the last row took the cache with it
 
 
 def test_a_row_leaving_cuts_even_a_single_unused_column(tiny_host):
