@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -504,6 +505,55 @@ def test_a_bug_escaping_a_decode_step_fails_the_requests_decoding_not_the_worker
         (out, err.category, err.status) == (None, "server", 500) for out, err in outcomes.values())
     assert not worker.decoding and worker.thread.is_alive()
     assert len(sampler.sample(prompt, 1, params).result(timeout=120).sequences[0].tokens) == 30
+    core.close()
+
+
+def test_a_bug_escaping_execute_fails_that_batch_not_the_worker(tmp_path, monkeypatch, caplog):
+    """A forward (a batch of one) and then two runs' forward_backward (one batch of two) hit
+    a bug in execute: each request fails with a 500 naming the op and the bug, the log line
+    names the batch's request ids, the failed batches' times still feed the queue estimates,
+    and the worker goes on to run the next call."""
+    from trio_server import worker as worker_module
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    svc = trio.ServiceClient(transport=LocalTransport(core))
+    runs = [svc.create_lora_training_client(base_model=MODEL, rank=2, seed=k) for k in range(2)]
+    worker = core.workers[MODEL]
+    real_execute, release, failed = worker_module.execute, threading.Event(), []
+
+    def buggy(ctx, batch):
+        if len(failed) < 2:
+            if not failed:
+                release.wait(timeout=120)  # hold the worker while the next two calls queue
+            failed.append([item.request_id for item in batch])
+            raise RuntimeError("a bug in execute")
+        return real_execute(ctx, batch)
+
+    outcomes = {}
+    real_resolve = worker.resolve
+    worker.resolve = lambda item, result: (outcomes.setdefault(item.request_id, result), real_resolve(item, result))
+    monkeypatch.setattr(worker_module, "execute", buggy)
+    toks = list(range(1, 9))
+    d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+    started = time.monotonic()
+    with caplog.at_level("ERROR", logger="trio"):
+        forward = runs[0].forward([d])
+        wait_until(lambda: bool(worker.running), "the forward to run")
+        pair = [tc.forward_backward([d]) for tc in runs]
+        wait_until(lambda: len(worker.snapshot()) == 2, "both forward_backward calls to queue")
+        release.set()
+        for future, op in [(forward, "forward"), *((f, "forward_backward") for f in pair)]:
+            with pytest.raises(trio.ServerError, match=f"^internal error running {op}: RuntimeError: a bug in execute "):
+                future.result(timeout=120)
+    elapsed = time.monotonic() - started
+    assert [len(ids) for ids in failed] == [1, 2]
+    assert sorted(outcomes) == sorted(failed[0] + failed[1]) and all(
+        (out, err.category, err.status) == (None, "server", 500) for out, err in outcomes.values())
+    logged = [r.getMessage() for r in caplog.records if "unexpected error" in r.getMessage()]
+    assert [m.split()[0] for m in logged] == [f"requests={','.join(ids)}" for ids in failed], logged
+    times = {op: list(worker.durations.recent[op]) for op in ("forward", "forward_backward")}
+    assert all(len(t) == 1 and 0 < t[0] <= elapsed for t in times.values()), (times, elapsed)
+    assert worker.thread.is_alive() and runs[1].forward_backward([d]).result(timeout=120).metrics["loss:sum"] > 0
     core.close()
 
 
