@@ -118,6 +118,30 @@ def test_inference_cast_cache_follows_updates():
     torch.testing.assert_close(after, want, atol=1e-2, rtol=1e-2)
 
 
+def test_bf16_training_casts_the_fp32_adapter_and_inference_reuses_one_cast():
+    """bf16 activations with autograd on: A and B (fp32 leaves) are cast in the graph, so the
+    output is the formula's and the gradients reach the fp32 weights; with autograd off the
+    cast is made once and reused (what decode steps rely on)."""
+    base = torch.nn.Linear(8, 6).to(torch.bfloat16)
+    routing = Routing()
+    layer = LoRALinear(base, routing)
+    layer.add("a", rank=2, scale=0.5, gen=torch.Generator().manual_seed(0))
+    a, b = layer.lora_A["a"], layer.lora_B["a"]
+    with torch.no_grad():
+        b.normal_()  # B starts at zero, which would leave A without a gradient
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    with routing.use([("a", None)]):
+        out = layer(x)
+    want = base(x) + 0.5 * (x @ a.to(torch.bfloat16).T) @ b.to(torch.bfloat16).T
+    torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)
+    out.float().sum().backward()
+    assert a.grad is not None and b.grad is not None and a.grad.dtype == b.grad.dtype == torch.float32
+    assert bool(a.grad.abs().sum() > 0) and bool(b.grad.abs().sum() > 0)
+    with torch.no_grad():
+        first = layer._as(a, torch.bfloat16)
+        assert first.dtype == torch.bfloat16 and layer._as(a, torch.bfloat16) is first
+
+
 def test_new_adapter_is_initialised_like_peft():
     """PEFT's default: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0,
     fp32 leaves that train; scale alpha / rank."""
