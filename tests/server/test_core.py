@@ -17,6 +17,22 @@ from ..polling import wait_until
 MODEL = "trio/tiny-llama"
 
 
+def next_token_datum(tokens: list[int]) -> trio.Datum:
+    """A datum that trains ``tokens[:-1]`` to predict each next token."""
+    return trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]})
+
+
+DATUM = next_token_datum(list(range(1, 9)))
+
+
+def record_outcomes(worker) -> dict:
+    """request id -> (result, error) of every request ``worker`` resolves from now on."""
+    outcomes: dict = {}
+    real_resolve = worker.resolve
+    worker.resolve = lambda item, result: (outcomes.setdefault(item.request_id, result), real_resolve(item, result))
+    return outcomes
+
+
 
 @pytest.mark.parametrize("max_batch_tokens, passes", [(8192, [3]), (14, [2, 1])])
 def test_forward_backward_of_different_runs_share_one_pass(tmp_path, max_batch_tokens, passes):
@@ -35,8 +51,7 @@ def test_forward_backward_of_different_runs_share_one_pass(tmp_path, max_batch_t
         return real(jobs)
 
     engine.forward_backward = spy
-    toks = list(range(1, 9))
-    d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+    d = DATUM
     worker = core.workers[MODEL]
     with host.lock:  # keep the worker busy so all three queue up
         blocker = runs[0].forward([d])
@@ -51,8 +66,7 @@ def test_forward_backward_of_different_runs_share_one_pass(tmp_path, max_batch_t
 
 
 def test_idle_runs_move_to_disk_and_come_back_unchanged(tmp_path):
-    toks = list(range(1, 9))
-    d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+    d = DATUM
     offloading = ServiceCore(tmp_path / "a", dtype="float32", idle_offload_seconds=0.3)
     resident = ServiceCore(tmp_path / "b", dtype="float32")  # the reference never offloads
     runs = [trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(
@@ -195,8 +209,7 @@ def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
     svc = trio.ServiceClient(transport=LocalTransport(core))
     runs = [svc.create_lora_training_client(base_model=MODEL, rank=2, seed=k).model_id for k in range(3)]
     transport = svc._session.transport
-    toks = list(range(1, 9))
-    datum = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+    datum = DATUM
     worker = core.workers[MODEL]
     worker.durations.record("forward", 5.0)
 
@@ -401,9 +414,7 @@ def test_a_short_sample_joins_a_running_decode_and_finishes_first(tmp_path):
     wait_until(lambda: len(entered) == 2, "the long request's second step to wait for its permit")
     assert steps == [[long_id(worker)]]
     short = sampler.sample(prompt, 1, params(3))
-    toks = list(range(1, 9))
-    fwd = tc.forward([trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]),
-                                 loss_fn_inputs={"target_tokens": toks[1:]})])
+    fwd = tc.forward([DATUM])
     wait_until(lambda: len(worker.snapshot()) == 2, "both to queue behind the gated step")
     permits.release(100)
     short_out, long_out, fwd_out = short.result(), long.result(), fwd.result()
@@ -442,8 +453,7 @@ def test_a_submit_past_a_queue_bound_is_refused_before_anything_changes_and_a_re
     assert (caps.max_pending_per_user, caps.max_pending_total) == (1, 2)
     runs = {u: trio.ServiceClient(transport=LocalTransport(core, u)).create_lora_training_client(base_model=MODEL, rank=2)
             for u in "abc"}
-    toks = list(range(1, 9))
-    d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+    d = DATUM
 
     def forward(user: str, seq: int = 0) -> t.ForwardRequest:
         return t.ForwardRequest(model_id=runs[user].model_id, seq=seq, data=[d])
@@ -480,7 +490,7 @@ def test_a_bug_escaping_a_decode_step_fails_the_requests_decoding_not_the_worker
     core = ServiceCore(tmp_path, dtype="float32")
     sampler = trio.ServiceClient(transport=LocalTransport(core)).create_sampling_client(base_model=MODEL)
     worker = core.workers[MODEL]
-    real_decode, outcomes = worker_module.decode, {}
+    real_decode = worker_module.decode
 
     def broken_once_both_decode(ctx, admit, live):
         if admit and live:
@@ -488,8 +498,7 @@ def test_a_bug_escaping_a_decode_step_fails_the_requests_decoding_not_the_worker
             raise RuntimeError("a bug in a decode step")
         return real_decode(ctx, admit, live)
 
-    real_resolve = worker.resolve
-    worker.resolve = lambda item, result: (outcomes.setdefault(item.request_id, result), real_resolve(item, result))
+    outcomes = record_outcomes(worker)
     monkeypatch.setattr(worker_module, "decode", broken_once_both_decode)
     prompt = trio.ModelInput.from_ints([1, 5, 9, 200])
     params = trio.SamplingParams(max_tokens=30, temperature=1.0, seed=1, ignore_eos=True)
@@ -529,12 +538,9 @@ def test_a_bug_escaping_execute_fails_that_batch_not_the_worker(tmp_path, monkey
             raise RuntimeError("a bug in execute")
         return real_execute(ctx, batch)
 
-    outcomes = {}
-    real_resolve = worker.resolve
-    worker.resolve = lambda item, result: (outcomes.setdefault(item.request_id, result), real_resolve(item, result))
+    outcomes = record_outcomes(worker)
     monkeypatch.setattr(worker_module, "execute", buggy)
-    toks = list(range(1, 9))
-    d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+    d = DATUM
     started = time.monotonic()
     with caplog.at_level("ERROR", logger="trio"):
         forward = runs[0].forward([d])
@@ -585,13 +591,11 @@ def test_a_user_who_used_the_host_waits_behind_one_who_did_not(tmp_path):
     a, b, c = (trio.ServiceClient(transport=LocalTransport(core, user)).create_lora_training_client(
         base_model=MODEL, rank=2) for user in "abc")
     long = list(range(1, 200))
-    a.forward([trio.Datum(model_input=trio.ModelInput.from_ints(long[:-1]),
-                          loss_fn_inputs={"target_tokens": long[1:]})]).result()
+    a.forward([next_token_datum(long)]).result()
     worker, order = core.workers[MODEL], []
     real_resolve = worker.resolve
     worker.resolve = lambda item, result: (order.append(item.user_id), real_resolve(item, result))
-    toks = list(range(1, 9))
-    d = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+    d = DATUM
     with worker.engine.host.lock:  # c's request runs and blocks; a's then b's queue behind it
         blocker = c.forward([d])
         wait_until(lambda: bool(worker.running), "c's request to run")
