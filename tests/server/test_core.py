@@ -185,10 +185,17 @@ def test_a_refused_call_keeps_its_place_so_the_next_call_does_not_wait(tmp_path)
     assert tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result(timeout=60).metrics["step"] == 0
 
     run_id = svc.create_lora_training_client(base_model=MODEL, rank=2).model_id
-    with pytest.raises(ServiceError, match="learning_rate"):  # refused while parsing
-        core.submit("local", "optim_step", {"model_id": run_id, "seq": 0, "adam_params": {"learning_rate": "fast"}})
+    bad = {"model_id": run_id, "seq": 0, "adam_params": {"learning_rate": "fast"}}
+    with pytest.raises(ServiceError, match="learning_rate") as refused:  # refused while parsing
+        core.submit("local", "optim_step", bad, "bad-step")
     step = core.submit("local", "optim_step", {"model_id": run_id, "seq": 1, "adam_params": {}})
-    assert run_sync(svc._session.transport.retrieve(step, 60)).status == "done"
+    transport = svc._session.transport
+    assert run_sync(transport.retrieve(step, 60)).status == "done"
+    # A retry of the refused call (its answer lost on the way) finds it by its key and reads the refusal.
+    rejected = core.submit("local", "optim_step", bad, "bad-step")
+    outcome = run_sync(transport.retrieve(rejected, 60))
+    assert (outcome.status, outcome.error.category, outcome.error.message) == (
+        "failed", "validation", refused.value.message)
     with pytest.raises(ServiceError, match="already used"):  # the refused seq is spent
         core.submit("local", "optim_step", {"model_id": run_id, "seq": 0, "adam_params": {}})
     core.close()
@@ -261,6 +268,56 @@ def test_a_submit_that_loses_the_idempotency_race_returns_the_winner_and_leaves_
     with core.lock:  # k0 may be resolving meanwhile
         assert losers[0] not in core.unfinished and core.pending_by_user.get("local", 0) == len(core.unfinished)
     assert core._queue_info("req-winner") is None  # no worker holds it: taken, finishing
+    core.close()
+
+
+def test_calls_queued_at_a_crash_are_on_record_for_the_next_start(tmp_path):
+    """submit records a call (its run, its seq, "pending") before it runs: calls still
+    queued when the process dies read as failed after the restart, and the run's order
+    resumes past their seqs (the run's own next_seq knows only the calls that finished)."""
+    from pytrio import types as t
+    from pytrio.futures import run_sync
+    from trio_server.errors import RESTART_MESSAGE
+
+    before = ServiceCore(tmp_path, dtype="float32")
+    run_id = trio.ServiceClient(transport=LocalTransport(before)).create_lora_training_client(
+        base_model=MODEL, rank=2).model_id
+    before.workers[MODEL].stop()  # nothing runs from here on: what is accepted stays queued, as at a crash
+    first = before.next_seq.get(run_id, 0)
+    ids = [before.submit("local", "forward_backward", {"model_id": run_id, "seq": first + k, "loss_fn": "cross_entropy",
+                                                       "data": [DATUM.model_dump()]}) for k in range(3)]
+
+    after = ServiceCore(tmp_path, dtype="float32")
+    assert after.next_seq[run_id] == first + 3
+    states = [run_sync(LocalTransport(after).retrieve(rid, 0)) for rid in ids]
+    assert [(s.status, s.error) for s in states] == [("failed", t.ErrorInfo(category="server", message=RESTART_MESSAGE))] * 3
+    after.close()
+    before.close()
+
+
+def test_a_call_the_store_cannot_record_is_refused_and_leaves_no_trace(tmp_path):
+    """The database down at submit (past Store.retry_seconds): the call is not accepted,
+    and nothing of it stays behind: it holds no place in its user's pending count, and a
+    retry with its key is a new call, which runs."""
+    import sqlalchemy as sa
+
+    from pytrio.futures import run_sync
+
+    core = ServiceCore(tmp_path, dtype="float32", limits=Limits(max_pending_per_user=1))
+    tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    transport, body, real_insert = LocalTransport(core), {"model_id": tc.model_id}, core.store.insert
+
+    def database_down(table, **row):
+        core.store.insert = real_insert  # down for this one call
+        raise sa.exc.OperationalError("INSERT INTO requests", {}, ConnectionRefusedError("database is down"))
+
+    core.store.insert = database_down
+    with pytest.raises(sa.exc.OperationalError):
+        core.submit("local", "get_info", body, "info-1")
+    alone = core.submit("local", "get_info", body)  # the only pending call: the refused one took no place
+    assert run_sync(transport.retrieve(alone, 30)).status == "done"
+    retried = core.submit("local", "get_info", body, "info-1")
+    assert run_sync(transport.retrieve(retried, 30)).status == "done"
     core.close()
 
 
