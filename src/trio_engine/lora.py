@@ -31,6 +31,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from .device import packed
 from .errors import InvalidInputError
 
 # α is fixed rather than tied to rank, as in "LoRA Without Regret" (Schulman et al.,
@@ -98,15 +99,25 @@ class LoRALinear(nn.Module):
     def weight(self) -> torch.Tensor:  # models that tie or inspect weights still work
         return self.base.weight
 
-    def add(self, adapter_id: str, rank: int, scale: float, gen: torch.Generator) -> None:
+    def shapes(self, rank: int) -> list[torch.Size]:
+        """The shapes of an adapter's A and B here."""
+        out_f, in_f = self.base.weight.shape
+        return [torch.Size((rank, in_f)), torch.Size((out_f, rank))]
+
+    def add(self, adapter_id: str, rank: int, scale: float, gen: torch.Generator,
+            storage: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Add an adapter. ``storage``: zeroed fp32 tensors of ``shapes(rank)`` on the
+        layer's device to hold A and B (``add_adapter`` packs a whole adapter in one
+        buffer); None: new ones."""
         out_f, in_f = self.base.weight.shape
         device = self.base.weight.device
+        a, b = storage or (torch.zeros(rank, in_f, device=device), torch.zeros(out_f, rank, device=device))
         # A as PEFT's default (kaiming-uniform, a=sqrt(5)) -> U(-1/sqrt(in), 1/sqrt(in)); B = 0.
-        # Drawn by the CPU generator ``gen`` then moved: the same seed, the same A anywhere.
+        # Drawn by the CPU generator ``gen`` then copied: the same seed, the same A anywhere.
         bound = 1.0 / math.sqrt(in_f)
-        a = (torch.rand(rank, in_f, generator=gen) * 2 - 1) * bound
-        self.lora_A[adapter_id] = a.to(device).requires_grad_(True)
-        self.lora_B[adapter_id] = torch.zeros(out_f, rank, device=device, requires_grad=True)
+        a.copy_((torch.rand(rank, in_f, generator=gen) * 2 - 1) * bound)
+        self.lora_A[adapter_id] = a.requires_grad_(True)
+        self.lora_B[adapter_id] = b.requires_grad_(True)
         self.scales[adapter_id] = scale
 
     def _as(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -195,13 +206,19 @@ def add_adapter(model: nn.Module, adapter_id: str, config: LoraConfig, targets: 
 
     ``targets``: the layer names to adapt (the host passes its model family's, checked by
     ``model.select_targets``).
-    The weights go on each layer's device; the generator stays on the CPU on purpose
-    (device-independent initialisation).
+    The weights are views of one buffer (``device.packed``) on the model's device (a host
+    lives on one); the generator stays on the CPU on purpose (device-independent
+    initialisation).
     """
     gen = torch.Generator(device="cpu").manual_seed(config.seed)
-    for name, module in lora_modules(model):
-        if name.rsplit(".", 1)[-1] in targets:
-            module.add(adapter_id, config.rank, config.scale, gen)
+    chosen = [module for name, module in lora_modules(model) if name.rsplit(".", 1)[-1] in targets]
+    if not chosen:
+        return
+    shapes = [shape for module in chosen for shape in module.shapes(config.rank)]
+    like = [torch.empty(shape, device="meta") for shape in shapes]
+    views = packed(like, chosen[0].base.weight.device)  # the whole adapter in one buffer
+    for module, a, b in zip(chosen, views[::2], views[1::2], strict=True):
+        module.add(adapter_id, config.rank, config.scale, gen, (a, b))
 
 
 def remove_adapter(model: nn.Module, adapter_id: str) -> None:

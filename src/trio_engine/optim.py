@@ -7,7 +7,7 @@ Same update as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected mom
     p <- p - lr/(1-b1^t) · m / (sqrt(v/(1-b2^t)) + eps)
 
 State is per adapter, so weight decay and moments never touch another user's weights.
-The moments live on their parameters' device (``zeros_like``).
+The moments live on their parameters' device, each moment one buffer (``device.packed``).
 Hyper-parameters arrive with every step (schedules live in the user's loop).
 Optional global-norm gradient clipping as ``torch.nn.utils.clip_grad_norm_``.
 """
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .device import packed
 from .errors import InvalidInputError
 
 
@@ -56,11 +57,8 @@ class AdamState:
 
     def to(self, device: torch.device | str) -> AdamState:
         """The same state with its moments on ``device`` (checkpoints load on the CPU)."""
-        return AdamState(
-            self.step,
-            {k: v.to(device) for k, v in self.exp_avg.items()},
-            {k: v.to(device) for k, v in self.exp_avg_sq.items()},
-        )
+        return AdamState(self.step, *(dict(zip(m, packed(list(m.values()), device, copy=True)))
+                                      for m in (self.exp_avg, self.exp_avg_sq)))
 
 
 def adamw_step(params: dict[str, torch.Tensor], state: AdamState, cfg: AdamConfig) -> dict:
@@ -73,10 +71,9 @@ def adamw_step(params: dict[str, torch.Tensor], state: AdamState, cfg: AdamConfi
     grad_norm = _global_norm(grads)
     if cfg.grad_clip_norm > 0 and grad_norm > cfg.grad_clip_norm:
         torch._foreach_mul_(grads, cfg.grad_clip_norm / (grad_norm + 1e-6))
-    for n, p in zip(names, ps):
-        if n not in state.exp_avg:
-            state.exp_avg[n] = torch.zeros_like(p)
-            state.exp_avg_sq[n] = torch.zeros_like(p)
+    missing = [n for n in names if n not in state.exp_avg]
+    for moments in (state.exp_avg, state.exp_avg_sq):
+        moments.update(zip(missing, packed([params[n] for n in missing])))
     m = [state.exp_avg[n] for n in names]
     v = [state.exp_avg_sq[n] for n in names]
     state.step += 1

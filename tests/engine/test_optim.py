@@ -68,12 +68,35 @@ def test_zero_is_a_valid_adam_param(field):
     assert getattr(AdamConfig(**{field: 0.0}), field) == 0.0
 
 
+def buffers(tensors) -> int:
+    """How many separate allocations hold ``tensors`` (a dict's values)."""
+    return len({t.untyped_storage().data_ptr() for t in tensors.values()})
+
+
 def test_adam_state_moves_its_moments_to_the_device():
-    state = AdamState(3, {"w": torch.ones(2)}, {"w": torch.full((2,), 4.0)})
+    state = AdamState(3, {"w": torch.ones(2, 2), "b": torch.arange(3.0)}, {"w": torch.full((2, 2), 4.0), "b": torch.ones(3)})
     moved = state.to("meta")  # a device every build has
     assert moved.step == 3
     assert moved.exp_avg["w"].device.type == "meta" and moved.exp_avg_sq["w"].device.type == "meta"
     assert state.exp_avg["w"].device.type == "cpu"  # the original is left as it was
+    copied = state.to("cpu")  # a checkpoint's moments, loaded tensor by tensor, become one buffer each
+    for ours, theirs in ((copied.exp_avg, state.exp_avg), (copied.exp_avg_sq, state.exp_avg_sq)):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+        assert buffers(ours) == 1
+    copied.exp_avg["w"].add_(1)
+    assert torch.equal(state.exp_avg["w"], torch.ones(2, 2))  # a copy
+
+
+def test_an_adapter_and_each_of_its_moments_are_one_buffer(tiny_host, new_id):
+    """Hundreds of small long-lived tensors per adapter fragment the heap; one allocation
+    each does not (benchmarks/memory.py measures the memory this saves)."""
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=2))
+    tiny_host.forward_backward([ForwardJob(aid, [random_example(tiny_host.vocab_size, 6, random.Random(0))])])
+    tiny_host.optim_step(aid, AdamConfig(learning_rate=0.1))
+    params, state = tiny_host.adapter_params(aid), tiny_host.adapters[aid].optim
+    assert len(params) > 2 and state.exp_avg.keys() == state.exp_avg_sq.keys() == params.keys()
+    assert buffers(params) == buffers(state.exp_avg) == buffers(state.exp_avg_sq) == 1
 
 
 def test_step_without_gradients_changes_nothing(tiny_host, new_id):
