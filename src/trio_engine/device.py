@@ -14,8 +14,10 @@ buffer each (``packed``), not hundreds of small allocations.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+from collections.abc import Sequence
 
 import torch
 
@@ -100,23 +102,17 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def packed(like: list[torch.Tensor], device: torch.device | str | None = None,
-           copy: bool = False) -> list[torch.Tensor]:
-    """Tensors shaped like ``like`` (one dtype), zeroed or (``copy``) holding their values,
-    as views of one new buffer on ``device`` (default: the first one's).
+def packed(shapes: Sequence[torch.Size], device: torch.device | str,
+           dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Zeroed tensors of ``shapes``, as views of one new buffer on ``device``.
 
     One allocation per adapter and per moment instead of one per layer: a buffer this size
     is mapped straight from the OS and given back whole, while hundreds of small ones land
     among the activations' and fragment the heap (benchmarks/memory.py: 145 MB per extra
     rank-32 SmolLM2 adapter for 130 MB of weights and moments, before packing).
     """
-    if not like:
+    if not shapes:
         return []
-    sizes = [t.numel() for t in like]
-    make = torch.empty if copy else torch.zeros
-    flat = make(sum(sizes), dtype=like[0].dtype, device=device or like[0].device)
-    views = [part.view(t.shape) for part, t in zip(flat.split(sizes), like, strict=True)]
-    if copy:
-        for view, t in zip(views, like):
-            view.copy_(t)
-    return views
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]

@@ -109,9 +109,8 @@ class LoRALinear(nn.Module):
         """Add an adapter. ``storage``: zeroed fp32 tensors of ``shapes(rank)`` on the
         layer's device to hold A and B (``add_adapter`` packs a whole adapter in one
         buffer); None: new ones."""
-        out_f, in_f = self.base.weight.shape
-        device = self.base.weight.device
-        a, b = storage or (torch.zeros(rank, in_f, device=device), torch.zeros(out_f, rank, device=device))
+        in_f = self.base.weight.shape[1]
+        a, b = storage or packed(self.shapes(rank), self.base.weight.device)
         # A as PEFT's default (kaiming-uniform, a=sqrt(5)) -> U(-1/sqrt(in), 1/sqrt(in)); B = 0.
         # Drawn by the CPU generator ``gen`` then copied: the same seed, the same A anywhere.
         bound = 1.0 / math.sqrt(in_f)
@@ -215,8 +214,7 @@ def add_adapter(model: nn.Module, adapter_id: str, config: LoraConfig, targets: 
     if not chosen:
         return
     shapes = [shape for module in chosen for shape in module.shapes(config.rank)]
-    like = [torch.empty(shape, device="meta") for shape in shapes]
-    views = packed(like, chosen[0].base.weight.device)  # the whole adapter in one buffer
+    views = packed(shapes, chosen[0].base.weight.device)  # the whole adapter in one buffer
     for module, a, b in zip(chosen, views[::2], views[1::2], strict=True):
         module.add(adapter_id, config.rank, config.scale, gen, (a, b))
 

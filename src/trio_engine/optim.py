@@ -57,8 +57,18 @@ class AdamState:
 
     def to(self, device: torch.device | str) -> AdamState:
         """The same state with its moments on ``device`` (checkpoints load on the CPU)."""
-        return AdamState(self.step, *(dict(zip(m, packed(list(m.values()), device, copy=True)))
-                                      for m in (self.exp_avg, self.exp_avg_sq)))
+        return AdamState(self.step, _moved(self.exp_avg, device), _moved(self.exp_avg_sq, device))
+
+
+def _moved(moments: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A copy of ``moments`` on ``device``, in one buffer."""
+    values = list(moments.values())
+    if not values:
+        return {}
+    views = packed([m.shape for m in values], device, values[0].dtype)
+    for view, m in zip(views, values):
+        view.copy_(m)
+    return dict(zip(moments, views))
 
 
 def adamw_step(params: dict[str, torch.Tensor], state: AdamState, cfg: AdamConfig) -> dict:
@@ -73,7 +83,7 @@ def adamw_step(params: dict[str, torch.Tensor], state: AdamState, cfg: AdamConfi
         torch._foreach_mul_(grads, cfg.grad_clip_norm / (grad_norm + 1e-6))
     missing = [n for n in names if n not in state.exp_avg]
     for moments in (state.exp_avg, state.exp_avg_sq):
-        moments.update(zip(missing, packed([params[n] for n in missing])))
+        moments.update(zip(missing, packed([params[n].shape for n in missing], ps[0].device, ps[0].dtype)))
     m = [state.exp_avg[n] for n in names]
     v = [state.exp_avg_sq[n] for n in names]
     state.step += 1

@@ -18,8 +18,9 @@ Log calls are not mutated (``do_not_mutate_patterns``): their text is for operat
 Mutant names carry a number per function, so an edit to a function renumbers its
 mutants: rerun, then check the survivors this script prints and update the list.
 
-A run checks only the mutants without a result (mutmut keeps them in ``mutants/``), so an
-interrupted run goes on where it stopped; ``--rerun`` checks everything again.
+A run checks only the mutants without a result (mutmut keeps them in ``mutants/``; an edit
+to a function clears its mutants' results) and the survivors not listed as equivalent, so
+an interrupted run goes on where it stopped; ``--rerun`` checks everything again.
 
 Usage: python tests/mutation/mutate.py [--report-only] [--rerun] [--jobs N]
 """
@@ -61,26 +62,42 @@ def in_scope(name: str) -> bool:
 
 
 def run_mutmut(jobs: int, rerun: bool) -> None:
-    """Run the in-scope mutants that have no result yet (all of them with ``rerun``).
+    """Run the in-scope mutants that have no result yet, and the survivors not listed as
+    equivalent or without a covering test (a test added since may kill them, or a fresh
+    trace of the tests map them); all of them with ``rerun``.
 
     mutmut reruns every mutant it is *named* (a pattern counts), so the patterns go to it
-    only for a first or full run; otherwise it gets the exact names still unchecked. Its
-    run starts by regenerating the mutants of edited functions, which clears their
-    results, so this loops until nothing in scope is left unchecked.
+    only for a first or full run; otherwise it gets exact names. Its run starts by
+    regenerating the mutants of edited functions, which clears their results (``refresh``
+    does only that), so this loops until nothing in scope is left unchecked.
     """
     patterns = [p for group in MODULES.values() for p in group]
+    survivors: list[str] = []
+    if (ROOT / "mutants").is_dir() and not rerun:
+        refresh()
+        equivalent = equivalent_mutants()
+        survivors = [n for n, s in results().items()
+                     if in_scope(n) and s in ("survived", "no tests") and n not in equivalent]
     for _ in range(3):  # a run may reset edited functions: check those again
         status = results() if (ROOT / "mutants").is_dir() else {}
-        todo = sorted(n for n, s in status.items() if in_scope(n) and s == "not checked")
+        todo = sorted(n for n, s in status.items() if in_scope(n) and s == "not checked") + survivors
         if rerun or not any(map(in_scope, status)):
             names, rerun = patterns, False
         elif todo:
-            names = todo
+            names, survivors = todo, []
         else:
             return
         print(f"$ mutmut run --max-children {jobs} <{len(names)} {'patterns' if names is patterns else 'mutants'}>",
               flush=True)
         subprocess.run([MUTMUT, "run", "--max-children", str(jobs), *names], cwd=ROOT, check=False)
+
+
+def refresh() -> None:
+    """Regenerate the mutants of functions edited since the last run, which clears their
+    results (so they count as unchecked). mutmut does this at the start of every run; a
+    name that matches no mutant makes it stop right after (with "nothing matches")."""
+    print("$ mutmut run <no mutant>  # regenerate the mutants of edited functions", flush=True)
+    subprocess.run([MUTMUT, "run", "refresh.only.*"], cwd=ROOT, check=False, capture_output=True)
 
 
 def results() -> dict[str, str]:
