@@ -302,13 +302,16 @@ def test_a_call_the_store_cannot_record_is_refused_and_leaves_no_trace(tmp_path)
     import sqlalchemy as sa
 
     from pytrio.futures import run_sync
+    from trio_server.store import requests
 
     core = ServiceCore(tmp_path, dtype="float32", limits=Limits(max_pending_per_user=1))
     tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
     transport, body, real_insert = LocalTransport(core), {"model_id": tc.model_id}, core.store.insert
 
     def database_down(table, **row):
-        core.store.insert = real_insert  # down for this one call
+        if table is not requests:  # not a submit's record (the worker's own)
+            return real_insert(table, **row)
+        core.store.insert = real_insert  # down for this one submit
         raise sa.exc.OperationalError("INSERT INTO requests", {}, ConnectionRefusedError("database is down"))
 
     core.store.insert = database_down
