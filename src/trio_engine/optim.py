@@ -82,8 +82,9 @@ def adamw_step(params: dict[str, torch.Tensor], state: AdamState, cfg: AdamConfi
     if cfg.grad_clip_norm > 0 and grad_norm > cfg.grad_clip_norm:
         torch._foreach_mul_(grads, cfg.grad_clip_norm / (grad_norm + 1e-6))
     missing = [n for n in names if n not in state.exp_avg]
+    shapes = [params[n].shape for n in missing]
     for moments in (state.exp_avg, state.exp_avg_sq):
-        moments.update(zip(missing, packed([params[n].shape for n in missing], ps[0].device, ps[0].dtype)))
+        moments.update(zip(missing, packed(shapes, ps[0].device, ps[0].dtype)))
     m = [state.exp_avg[n] for n in names]
     v = [state.exp_avg_sq[n] for n in names]
     state.step += 1

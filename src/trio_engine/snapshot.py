@@ -96,8 +96,4 @@ def restore(host: Any, adapter_id: str, snap: Snapshot) -> None:
                 params[name].copy_(tensor)
         for name, grad in sections["grad"].items():
             params[name].grad = grad.to(params[name].device, params[name].dtype)
-        host.adapters[adapter_id].optim = AdamState(
-            step=snap.step,
-            exp_avg={k: v.to(params[k].device) for k, v in sections["exp_avg"].items()},
-            exp_avg_sq={k: v.to(params[k].device) for k, v in sections["exp_avg_sq"].items()},
-        )
+        host.adapters[adapter_id].optim = AdamState(snap.step, sections["exp_avg"], sections["exp_avg_sq"]).to(host.device)

@@ -58,6 +58,8 @@ def test_restore_gives_back_exactly_the_captured_state_and_training_continues_al
     snapshot.restore(tiny_host, copy, snapshot.read(path))
     assert tiny_host.adapters[copy].optim.step == 2
     assert_same_state(state(tiny_host, original), state(tiny_host, copy))
+    restored = tiny_host.adapters[copy].optim  # each moment one buffer again, as when trained
+    assert all(len({t.untyped_storage().data_ptr() for t in m.values()}) == 1 for m in (restored.exp_avg, restored.exp_avg_sq))
     for aid in (original, copy):  # the pending grads and moments are used identically
         tiny_host.optim_step(aid, CFG)
     assert_same_state(state(tiny_host, original), state(tiny_host, copy))
