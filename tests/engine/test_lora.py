@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trio_engine import LORA_ALPHA, Example, ForwardJob, LoraConfig
-from trio_engine.lora import LoRALinear, Routing
+from trio_engine.lora import WEIGHT_MAJOR_MAX_ROWS, LoRALinear, Routing, base_product, weight_major
 
 from .helpers import plain_model, randomize_adapter, reference_logprobs
 
@@ -25,6 +25,41 @@ def test_lora_linear_matches_formula():
     with routing.use([("a", None)]):
         torch.testing.assert_close(layer(x), expected, atol=TOL, rtol=TOL)
     torch.testing.assert_close(layer(x), base(x))  # unrouted rows run the base model
+
+
+@pytest.mark.parametrize("shape", [(1, 12), (1, 1, 12), (2, 12), (5, 1, 12), (2, 3, 12), (WEIGHT_MAJOR_MAX_ROWS, 12)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_decode_sized_products_equal_the_linear_layer(shape, bias):
+    """The W x^T form that few-row fp32 inference takes gives the layer's own output, shape
+    and all (one row is padded to two on the way, and must not leak out)."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(12, 7, bias=bias)
+    routing = Routing()
+    layer = LoRALinear(base, routing)
+    layer.add("a", rank=4, scale=LORA_ALPHA / 4, gen=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        layer.lora_B["a"].normal_()
+        x = torch.randn(shape)
+        assert weight_major(x, base.weight)
+        torch.testing.assert_close(base_product(base, x), base(x), atol=TOL, rtol=TOL)
+        plain = layer(x)  # no adapter routed: the base output, as rows again
+        a, b = layer.lora_A["a"], layer.lora_B["a"]
+        with routing.use([("a", None)]):
+            adapted = layer(x)
+    assert plain.is_contiguous()
+    torch.testing.assert_close(plain, base(x), atol=TOL, rtol=TOL)
+    torch.testing.assert_close(adapted, base(x) + (LORA_ALPHA / 4) * (x @ a.T @ b.T), atol=TOL, rtol=TOL)
+
+
+def test_only_few_row_fp32_cpu_inference_takes_the_weight_major_form():
+    weight = torch.zeros(7, 12)
+    few, many = torch.zeros(WEIGHT_MAJOR_MAX_ROWS, 12), torch.zeros(WEIGHT_MAJOR_MAX_ROWS + 1, 12)
+    with torch.no_grad():
+        assert weight_major(few, weight) and weight_major(few[:1], weight)
+        assert not weight_major(many, weight)
+        assert not weight_major(few.bfloat16(), weight.bfloat16())
+        assert not weight_major(few.view(2, -1, 12), weight.to("meta"))  # a GPU's own kernels are left alone
+    assert not weight_major(few, weight)  # training keeps the layer's own autograd path
 
 
 def test_new_adapter_changes_nothing(tiny_host, new_id):

@@ -1,0 +1,55 @@
+"""Decode-sized linear products: the engine's ``base_product`` vs ``nn.Linear``'s own.
+
+For each linear shape of the bundled model and a few row counts (the rows of one decode
+step), 30 distinct weights are multiplied in turn, so they come from memory as in a real
+step and not from cache. Both forms run interleaved in one process.
+
+    RESULT decode_linear_<out>x<in>_rows<r> ours=<products/s> baseline=<products/s> ratio=...
+
+Run: .venv/bin/python benchmarks/decode_linear.py [--repeats 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import bundled_folder, result, timed_pair
+from transformers import AutoConfig
+
+from trio_engine.lora import base_product
+
+LAYERS = 30  # distinct weights per shape: more than the last-level cache holds
+
+
+def shapes() -> list[tuple[int, int]]:
+    """(out, in) of the bundled model's linears: q/o, k/v, gate/up, down, the head."""
+    config = AutoConfig.from_pretrained(bundled_folder())
+    hidden, head_dim = config.hidden_size, config.hidden_size // config.num_attention_heads
+    return [(hidden, hidden), (config.num_key_value_heads * head_dim, hidden),
+            (config.intermediate_size, hidden), (hidden, config.intermediate_size), (config.vocab_size, hidden)]
+
+
+def compare(layers: list[torch.nn.Linear], rows: int, repeats: int) -> tuple[float, float]:
+    """Seconds per pass over ``layers`` on ``rows`` rows: (base_product, the layer's own)."""
+    x = torch.randn(rows, layers[0].in_features)
+    with torch.no_grad():
+        return timed_pair(lambda: [base_product(layer, x) for layer in layers],
+                          lambda: [layer(x) for layer in layers], repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    args = parser.parse_args()
+    for out_f, in_f in shapes():
+        count = LAYERS if out_f * in_f < 10**7 else 2  # the head: two copies outgrow any cache
+        layers = [torch.nn.Linear(in_f, out_f, bias=False) for _ in range(count)]
+        for rows in map(int, args.rows.split(",")):
+            ours_s, base_s = compare(layers, rows, args.repeats)
+            result(f"decode_linear_{out_f}x{in_f}_rows{rows}", count / ours_s, count / base_s, unit=" (products/s)")
+
+
+if __name__ == "__main__":
+    main()
