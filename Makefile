@@ -36,6 +36,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
+	$(BIN)/python benchmarks/decode_linear.py
 	$(BIN)/python benchmarks/sample.py
 	$(BIN)/python benchmarks/continuous_batching.py
 	$(BIN)/python benchmarks/prefix_cache.py

@@ -184,9 +184,11 @@ def base_product(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = flat.shape[0]
     if rows == 1:  # two rows take the two-thread kernel; one would take gemv's one thread
         flat = flat.repeat(2, 1)
-    out = (linear.weight @ flat.t()).t()[:rows]
-    if linear.bias is not None:
-        out = out + linear.bias
+    if linear.bias is None:
+        product = linear.weight @ flat.t()  # (out, rows)
+    else:
+        product = torch.addmm(linear.bias.unsqueeze(1), linear.weight, flat.t())
+    out = product.t()[:rows]
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

@@ -4,6 +4,8 @@ The CUDA tests run only where CUDA is; the device-independence test of checkpoin
 runs everywhere (CPU -> CPU proves the file holds CPU tensors and loads back exactly).
 """
 
+import mmap
+import os
 import random
 
 import pytest
@@ -19,6 +21,7 @@ from trio_engine import (
     ModelHost,
     SampleRequest,
     SamplingConfig,
+    device,
     resolve_device,
     resolve_dtype,
     snapshot,
@@ -127,6 +130,44 @@ def test_dtype_defaults_and_overrides(no_env):
 
 
 # --------------------------------------------------------------------------- device independence (CPU)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(a, 16) for a in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_cpu_weights_move_to_one_huge_page_buffer_keeping_values_and_ties():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 24), torch.nn.Linear(24, 7), torch.nn.Linear(24, 50))
+    model[2].weight = model[0].weight  # tied, as an unembedding often is
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    device.gather_on_huge_pages(list(model.parameters()))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+        assert p.data_ptr() % 64 == 0, name  # each starts on a cache line
+    assert model[2].weight is model[0].weight
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+    start = min(p.data_ptr() for p in model.parameters())
+    assert start % device.HUGE_PAGE == 0
+    if os.path.exists("/proc/self/smaps") and hasattr(mmap, "MADV_HUGEPAGE"):
+        assert "hg" in _vm_flags(start)  # advised for huge pages before anything touched it
+
+
+def test_a_cpu_host_holds_its_base_weights_in_its_own_memory(bundled_host):
+    """Not in the safetensors file's page cache mapping (slower to read: see device.py)."""
+    storages = {p.untyped_storage().data_ptr() for p in bundled_host.model.parameters()}
+    assert len(storages) == 1
+    model = bundled_host.model
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
 
 
 def test_cpu_host_reports_its_device(tiny_host):

@@ -41,7 +41,9 @@ def test_decode_sized_products_equal_the_linear_layer(shape, bias):
         layer.lora_B["a"].normal_()
         x = torch.randn(shape)
         assert weight_major(x, base.weight)
-        torch.testing.assert_close(base_product(base, x), base(x), atol=TOL, rtol=TOL)
+        product = base_product(base, x)
+        assert not product.is_contiguous()  # W x^T's own layout: the form was taken
+        torch.testing.assert_close(product, base(x), atol=TOL, rtol=TOL)
         plain = layer(x)  # no adapter routed: the base output, as rows again
         a, b = layer.lora_A["a"], layer.lora_B["a"]
         with routing.use([("a", None)]):
