@@ -11,14 +11,20 @@ from .helpers import plain_model, randomize_adapter, reference_logprobs
 TOL = 1e-5  # fp32, tiny shapes
 
 
-def test_lora_linear_matches_formula():
+def _layer_with_adapter(bias: bool = True) -> tuple[torch.nn.Linear, Routing, LoRALinear]:
+    """A 12 -> 7 linear wrapped with one rank-4 adapter "a" whose B is non-zero."""
     torch.manual_seed(0)
-    base = torch.nn.Linear(12, 7, bias=True)
+    base = torch.nn.Linear(12, 7, bias=bias)
     routing = Routing()
     layer = LoRALinear(base, routing)
     layer.add("a", rank=4, scale=LORA_ALPHA / 4, gen=torch.Generator().manual_seed(1))
     with torch.no_grad():
         layer.lora_B["a"].normal_()
+    return base, routing, layer
+
+
+def test_lora_linear_matches_formula():
+    base, routing, layer = _layer_with_adapter()
     x = torch.randn(3, 5, 12)
     a, b = layer.lora_A["a"], layer.lora_B["a"]
     expected = x @ base.weight.T + base.bias + (LORA_ALPHA / 4) * (x @ a.T @ b.T)
@@ -32,13 +38,8 @@ def test_lora_linear_matches_formula():
 def test_decode_sized_products_equal_the_linear_layer(shape, bias):
     """The W x^T form that few-row fp32 inference takes gives the layer's own output, shape
     and all (one row is padded to two on the way, and must not leak out)."""
-    torch.manual_seed(0)
-    base = torch.nn.Linear(12, 7, bias=bias)
-    routing = Routing()
-    layer = LoRALinear(base, routing)
-    layer.add("a", rank=4, scale=LORA_ALPHA / 4, gen=torch.Generator().manual_seed(1))
+    base, routing, layer = _layer_with_adapter(bias)
     with torch.no_grad():
-        layer.lora_B["a"].normal_()
         x = torch.randn(shape)
         assert weight_major(x, base.weight)
         product = base_product(base, x)
