@@ -50,6 +50,7 @@ def test_decode_sized_products_equal_the_linear_layer(shape, bias):
         with routing.use([("a", None)]):
             adapted = layer(x)
     assert plain.is_contiguous()
+    torch.testing.assert_close(base_product(base, x), base(x))  # with autograd on: the layer's own path
     torch.testing.assert_close(plain, base(x), atol=TOL, rtol=TOL)
     torch.testing.assert_close(adapted, base(x) + (LORA_ALPHA / 4) * (x @ a.T @ b.T), atol=TOL, rtol=TOL)
 
@@ -59,6 +60,7 @@ def test_only_few_row_fp32_cpu_inference_takes_the_weight_major_form():
     few, many = torch.zeros(WEIGHT_MAJOR_MAX_ROWS, 12), torch.zeros(WEIGHT_MAJOR_MAX_ROWS + 1, 12)
     with torch.no_grad():
         assert weight_major(few, weight) and weight_major(few[:1], weight)
+        assert weight_major(torch.zeros(8, 1, 12), weight)  # a decode step's (batch, 1, hidden)
         assert not weight_major(many, weight)
         assert not weight_major(few.bfloat16(), weight.bfloat16())
         assert not weight_major(few.view(2, -1, 12), weight.to("meta"))  # a GPU's own kernels are left alone
