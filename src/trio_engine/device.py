@@ -15,6 +15,7 @@ are copied into one buffer of huge pages (``gather_on_huge_pages``).
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import os
@@ -139,14 +140,11 @@ def gather_on_huge_pages(params: Sequence[torch.nn.Parameter]) -> None:
     unique = list({id(p): p for p in params}.values())
     if not unique:
         return
-    offsets, end = [], 0
-    for p in unique:
-        offsets.append(end)
-        end += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
-    buffer = _huge_page_buffer(end)
+    sizes = [p.numel() * p.element_size() for p in unique]
+    starts = [0, *itertools.accumulate(-(-size // _ALIGN) * _ALIGN for size in sizes)]
+    buffer = _huge_page_buffer(starts[-1])
     with torch.no_grad():
-        for p, start in zip(unique, offsets, strict=True):
-            size = p.numel() * p.element_size()
+        for p, start, size in zip(unique, starts, sizes, strict=False):  # starts has one more: the end
             view = buffer[start:start + size].view(p.dtype).view(p.shape)
             view.copy_(p.data)
             p.data = view
