@@ -180,7 +180,8 @@ def load_model_and_tokenizer(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .device import gather_on_huge_pages
+    from . import attention
+    from .device import gather_on_huge_pages, keep_freed_memory
 
     if source.kind == "tiny":
         model, tokenizer = _build_tiny(source, seed)
@@ -194,8 +195,10 @@ def load_model_and_tokenizer(
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    attention.install(model)
     if torch.device(device).type == "cpu":
         gather_on_huge_pages(list(model.parameters()))
+        keep_freed_memory()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     torch.set_grad_enabled(True)

@@ -10,16 +10,19 @@ bfloat16 on CUDA, float32 on the CPU).
 
 An adapter's long-lived tensors (its LoRA weights, each AdamW moment) are views of one
 buffer each (``packed``), not hundreds of small allocations. On the CPU the base weights
-are copied into one buffer of huge pages (``gather_on_huge_pages``).
+are copied into one buffer of huge pages (``gather_on_huge_pages``), and the C allocator
+keeps freed memory for the next step (``keep_freed_memory``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import mmap
 import os
 import re
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -159,3 +162,29 @@ def _huge_page_buffer(nbytes: int) -> torch.Tensor:
     whole = torch.frombuffer(region, dtype=torch.uint8)
     skip = -whole.data_ptr() % HUGE_PAGE
     return whole[skip:skip + nbytes]
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+KEEP_FREED_BYTES = (1 << 31) - 1  # the largest mallopt takes (an int)
+
+
+def keep_freed_memory() -> bool:
+    """Have the C allocator keep freed memory for reuse instead of returning it to the
+    kernel (glibc: no mmap for large blocks, trim only beyond ``KEEP_FREED_BYTES``); True
+    when applied. Process-wide; ``$TRIO_KEEP_FREED_MEMORY=0`` turns it off.
+
+    A CPU training step allocates and frees the same large activations every time. glibc
+    hands blocks over 32 MiB (and, as its heap shrinks, smaller ones) back to the kernel on
+    free, so the next step takes a page fault per 4 KiB to get them again: 220,000 faults
+    (880 MB) per step of 8 x 128 tokens of the bundled model, fp32; with this, none, and the
+    step was 15% faster (one process, interleaved). The cost: the process keeps its peak.
+    PyTorch's CPU guides suggest preloading jemalloc or tcmalloc for the same reason; this
+    needs nothing preloaded. A no-op off glibc.
+    """
+    if os.environ.get("TRIO_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES))

@@ -4,6 +4,7 @@ The CUDA tests run only where CUDA is; the device-independence test of checkpoin
 runs everywhere (CPU -> CPU proves the file holds CPU tensors and loads back exactly).
 """
 
+import ctypes
 import mmap
 import os
 import random
@@ -168,6 +169,35 @@ def test_a_cpu_host_holds_its_base_weights_in_its_own_memory(bundled_host):
     assert len(storages) == 1
     model = bundled_host.model
     assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo() -> _MallInfo2:
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+    mallinfo2.restype = _MallInfo2
+    return mallinfo2()
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc >= 2.33")
+def test_a_cpu_host_keeps_freed_memory_in_the_heap(tiny_host):
+    """A 256 MiB block (8x glibc's largest dynamic mmap threshold) comes from the heap, so
+    freeing it does not hand its pages back to be faulted in again by the next step."""
+    assert device.keep_freed_memory()  # the host applied it already; applying again is harmless
+    before = _mallinfo()
+    block = torch.empty(64 << 20)  # fp32: 256 MiB, untouched
+    size, held = block.nbytes, _mallinfo()
+    assert held.hblkhd - before.hblkhd < size  # not a mapping of its own (hblkhd: bytes in those)
+    del block
+    assert _mallinfo().arena >= held.arena - size // 2  # and the heap did not shrink it away
+
+
+def test_keeping_freed_memory_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("TRIO_KEEP_FREED_MEMORY", "0")
+    assert not device.keep_freed_memory()
 
 
 def test_cpu_host_reports_its_device(tiny_host):

@@ -1,0 +1,108 @@
+"""attention: the grouped causal path against SDPA in fp64, and which calls take it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trio_engine import TINY_LLAMA, attention
+from trio_engine.catalog import Catalog, load_model_and_tokenizer
+
+
+def _qkv(dtype, heads=6, kv_heads=2, length=5, q_length=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def make(h, n):
+        return torch.randn(2, h, n, 8, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+
+    return make(heads, q_length or length), make(kv_heads, length), make(kv_heads, length)
+
+
+def _causal_module(causal=True):
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = causal, 3
+    return module
+
+
+def test_grouped_causal_matches_sdpa_in_values_and_gradients():
+    """Query head h reads key/value head h // 3, as SDPA's enable_gqa (and repeat_kv) has it."""
+    q, k, v = _qkv(torch.float64)
+    got = attention.grouped_causal(q, k, v, 0.3)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # its softmax runs in fp32
+    out = torch.randn_like(want)
+    got_grads = torch.autograd.grad(got, (q, k, v), out)
+    want_grads = torch.autograd.grad(want, (q, k, v), out)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+
+
+@pytest.fixture
+def grouped_calls(monkeypatch):
+    calls = []
+    real = attention.grouped_causal
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(attention, "grouped_causal", spy)
+    return calls
+
+
+def test_attend_takes_the_grouped_path_for_an_unmasked_causal_bf16_pass_on_the_cpu(grouped_calls, monkeypatch):
+    monkeypatch.setattr(attention, "GROUPED_MAX_SCORES", 2 * 6 * 5 * 5)  # just enough
+    q, k, v = _qkv(torch.bfloat16)
+    out, weights = attention.attend(_causal_module(), q, k, v, None, scaling=0.3)
+    assert grouped_calls == [q.shape] and weights is None
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, scale=0.3,
+                                          enable_gqa=True)
+    assert out.shape == (2, 5, 6, 8) and out.dtype == torch.bfloat16  # (batch, length, heads, dim)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("case", ["fp32", "mask", "one query row", "not causal", "too many scores"])
+def test_attend_leaves_every_other_call_to_sdpa(case, grouped_calls, monkeypatch):
+    q, k, v = _qkv(torch.float32 if case == "fp32" else torch.bfloat16, q_length=1 if case == "one query row" else None)
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril() if case == "mask" else None
+    monkeypatch.setattr(attention, "GROUPED_MAX_SCORES", 2 * 6 * 5 * 5 - (case == "too many scores"))
+    out, _ = attention.attend(_causal_module(case != "not causal"), q, k, v, mask, scaling=0.3)
+    assert grouped_calls == []
+    causal = case not in ("mask", "not causal", "one query row")
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["softcap", "position bias", "dropout", "not on the cpu"])
+def test_attend_leaves_what_it_does_not_model_to_sdpa(case, grouped_calls):
+    q, k, v = _qkv(torch.bfloat16)
+    kwargs = {"softcap": {"softcap": 30.0}, "position bias": {"position_bias": torch.zeros(2, 6, 5, 5)},
+              "dropout": {"dropout": 0.5}}.get(case, {})
+    if case == "not on the cpu":
+        q, k, v = (t.detach().to("meta") for t in (q, k, v))
+    try:
+        attention.attend(_causal_module(), q, k, v, None, scaling=0.3, **kwargs)
+    except ValueError as err:  # SDPA's own refusal of softcap: no silent change of numerics
+        assert case == "softcap" and "softcap" in str(err)
+    assert grouped_calls == []
+
+
+def test_a_loaded_bf16_model_attends_through_the_grouped_path(grouped_calls):
+    """Every layer of a training forward takes it; the logits stay those of SDPA's kernel
+    within bf16's rounding of the scores."""
+    model, _ = load_model_and_tokenizer(Catalog().resolve(TINY_LLAMA), torch.bfloat16)
+    assert model.config._attn_implementation == attention.NAME
+    ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+    ours = model(input_ids=ids).logits.float()
+    assert len(grouped_calls) == model.config.num_hidden_layers
+    model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(ours, model(input_ids=ids).logits.float(), rtol=0, atol=0.05)
+
+
+def test_a_model_on_another_attention_keeps_it():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(config)
+    attention.install(model)
+    assert model.config._attn_implementation == "eager"
