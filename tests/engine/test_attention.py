@@ -60,29 +60,48 @@ def test_attend_takes_the_grouped_path_for_an_unmasked_causal_bf16_pass_on_the_c
     torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=0, atol=0.05)
 
 
-@pytest.mark.parametrize("case", ["fp32", "mask", "one query row", "not causal", "too many scores"])
+def test_attend_defaults_to_a_causal_module_and_one_over_root_dim_scaling(grouped_calls):
+    q, k, v = _qkv(torch.bfloat16)
+    out, _ = attention.attend(torch.nn.Module(), q, k, v, None)  # no is_causal attribute: causal
+    assert len(grouped_calls) == 1
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("case", ["fp32", "mask", "one query row", "not causal", "is_causal=False", "too many scores"])
 def test_attend_leaves_every_other_call_to_sdpa(case, grouped_calls, monkeypatch):
     q, k, v = _qkv(torch.float32 if case == "fp32" else torch.bfloat16, q_length=1 if case == "one query row" else None)
-    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril() if case == "mask" else None
+    mask = None
+    if case == "mask":  # not a causal pattern, so dropping it would show
+        mask = torch.rand(2, 1, 5, 5, generator=torch.Generator().manual_seed(1)) < 0.6
+        mask |= torch.eye(5, dtype=torch.bool)
     monkeypatch.setattr(attention, "GROUPED_MAX_SCORES", 2 * 6 * 5 * 5 - (case == "too many scores"))
-    out, _ = attention.attend(_causal_module(case != "not causal"), q, k, v, mask, scaling=0.3)
+    kwargs = {"is_causal": False} if case == "is_causal=False" else {}
+    out, _ = attention.attend(_causal_module(case != "not causal"), q, k, v, mask, scaling=0.3, **kwargs)
     assert grouped_calls == []
-    causal = case not in ("mask", "not causal", "one query row")
+    causal = case not in ("mask", "not causal", "is_causal=False", "one query row")
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("case", ["softcap", "position bias", "dropout", "not on the cpu"])
+@pytest.mark.parametrize("case", ["position bias", "dropout", "not on the cpu"])
 def test_attend_leaves_what_it_does_not_model_to_sdpa(case, grouped_calls):
     q, k, v = _qkv(torch.bfloat16)
-    kwargs = {"softcap": {"softcap": 30.0}, "position bias": {"position_bias": torch.zeros(2, 6, 5, 5)},
-              "dropout": {"dropout": 0.5}}.get(case, {})
+    kwargs = {"position bias": {"position_bias": torch.ones(2, 6, 5, 5)}, "dropout": {"dropout": 0.5}}.get(case, {})
     if case == "not on the cpu":
         q, k, v = (t.detach().to("meta") for t in (q, k, v))
-    try:
-        attention.attend(_causal_module(), q, k, v, None, scaling=0.3, **kwargs)
-    except ValueError as err:  # SDPA's own refusal of softcap: no silent change of numerics
-        assert case == "softcap" and "softcap" in str(err)
+    out, _ = attention.attend(_causal_module(), q, k, v, None, scaling=0.3, **kwargs)
+    assert grouped_calls == []
+    if case == "dropout":  # and SDPA was told to drop
+        plain = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+        assert not torch.allclose(out, plain.transpose(1, 2))
+
+
+def test_attend_leaves_softcap_to_sdpa_which_refuses_it(grouped_calls):
+    """No silent change of numerics: SDPA's own error, as without TRIO's attention."""
+    q, k, v = _qkv(torch.bfloat16)
+    with pytest.raises(ValueError, match="softcap"):
+        attention.attend(_causal_module(), q, k, v, None, scaling=0.3, softcap=30.0)
     assert grouped_calls == []
 
 
@@ -96,6 +115,18 @@ def test_a_loaded_bf16_model_attends_through_the_grouped_path(grouped_calls):
     assert len(grouped_calls) == model.config.num_hidden_layers
     model.set_attn_implementation("sdpa")
     torch.testing.assert_close(ours, model(input_ids=ids).logits.float(), rtol=0, atol=0.05)
+
+
+def test_a_loaded_model_keeps_sdpas_padding_masks():
+    """A left-padded batch (as the sampler prefills) in fp32: every call goes to SDPA, with
+    the masks SDPA's mask function makes, so the logits are SDPA's own."""
+    model, _ = load_model_and_tokenizer(Catalog().resolve(TINY_LLAMA), torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    ours = model(input_ids=ids, attention_mask=mask).logits
+    model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(ours, model(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=0)
 
 
 def test_a_model_on_another_attention_keeps_it():
