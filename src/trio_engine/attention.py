@@ -14,7 +14,8 @@ key/value head instead of repeating keys and values.
 Numerics: the scores come out of a bf16 matmul (fp32 accumulation, rounded to bf16, as
 transformers' eager attention does), then softmax in fp32; the flash kernel keeps them in
 fp32. The bf16 sampler-vs-trainer bound in the sampler tests covers the difference.
-Decode steps (one query row) and masked (padded) prefills keep SDPA.
+An unpadded prefill of whole prompts takes the same path as the trainer's pass; decode
+steps (one query row), prefills after a cached prefix and padded prefills keep SDPA.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import torch
 NAME = "trio_sdpa"
 
 # Scores (batch x query heads x length^2) above which SDPA runs instead: its flash kernel
-# keeps no score matrix, this path keeps one per layer in bf16 for the backward (8 MiB
-# here, 240 MiB over 30 layers). 8 x 128 tokens of a 9-head model is 1.2M.
+# keeps no score matrix, while this path keeps 6 bytes a score per layer for the backward
+# (the fp32 softmax and its bf16 copy): 24 MiB a layer at this bound; 8 x 128 tokens of a
+# 9-head model are 1.2M scores, 7 MiB a layer, 210 MiB over 30 layers.
 GROUPED_MAX_SCORES = 1 << 22
 
 
