@@ -1,4 +1,4 @@
-"""attention: the grouped causal path against SDPA in fp64, and which calls take it."""
+"""attention: the matmul path against SDPA in fp64, and which calls take it."""
 
 import pytest
 import torch
@@ -23,10 +23,10 @@ def _causal_module(causal=True):
     return module
 
 
-def test_grouped_causal_matches_sdpa_in_values_and_gradients():
+def test_grouped_matches_sdpa_in_values_and_gradients():
     """Query head h reads key/value head h // 3, as SDPA's enable_gqa (and repeat_kv) has it."""
     q, k, v = _qkv(torch.float64)
-    got = attention.grouped_causal(q, k, v, 0.3)
+    got = attention.grouped(q, k, v, 0.3, torch.ones(5, 5, dtype=torch.bool).triu(1))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # its softmax runs in fp32
     out = torch.randn_like(want)
@@ -39,13 +39,13 @@ def test_grouped_causal_matches_sdpa_in_values_and_gradients():
 @pytest.fixture
 def grouped_calls(monkeypatch):
     calls = []
-    real = attention.grouped_causal
+    real = attention.grouped
 
     def spy(*args):
         calls.append(args[0].shape)
         return real(*args)
 
-    monkeypatch.setattr(attention, "grouped_causal", spy)
+    monkeypatch.setattr(attention, "grouped", spy)
     return calls
 
 
@@ -68,18 +68,43 @@ def test_attend_defaults_to_a_causal_module_and_one_over_root_dim_scaling(groupe
     torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=0, atol=0.05)
 
 
-@pytest.mark.parametrize("case", ["fp32", "mask", "one query row", "not causal", "is_causal=False", "too many scores"])
+@pytest.mark.parametrize("padding", [False, True])
+def test_attend_takes_the_grouped_path_for_a_bf16_decode_step(padding, grouped_calls):
+    """One query row over the cached keys, with the padding mask SDPA's mask function makes
+    (True where a key is seen) or none."""
+    q, k, v = _qkv(torch.bfloat16, q_length=1)
+    mask = None
+    if padding:
+        mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+        mask[0, ..., :3] = False
+    out, _ = attention.attend(_causal_module(), q, k, v, mask, scaling=0.3)
+    assert grouped_calls == [q.shape] and out.shape == (2, 1, 6, 8)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.3,
+                                          enable_gqa=True)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("case", ["fp32", "fp32 decode", "mask", "float mask decode", "per-head mask decode",
+                                  "not causal", "is_causal=False", "too many scores", "not square"])
 def test_attend_leaves_every_other_call_to_sdpa(case, grouped_calls, monkeypatch):
-    q, k, v = _qkv(torch.float32 if case == "fp32" else torch.bfloat16, q_length=1 if case == "one query row" else None)
+    one_row = case.endswith("decode")
+    q, k, v = _qkv(torch.float32 if case.startswith("fp32") else torch.bfloat16,
+                   q_length=1 if one_row else 3 if case == "not square" else None)
     mask = None
     if case == "mask":  # not a causal pattern, so dropping it would show
         mask = torch.rand(2, 1, 5, 5, generator=torch.Generator().manual_seed(1)) < 0.6
         mask |= torch.eye(5, dtype=torch.bool)
+    if case == "float mask decode":
+        mask = torch.zeros(2, 1, 1, 5, dtype=torch.bfloat16)
+    if case == "per-head mask decode":
+        mask = torch.ones(2, 6, 1, 5, dtype=torch.bool)
     monkeypatch.setattr(attention, "GROUPED_MAX_SCORES", 2 * 6 * 5 * 5 - (case == "too many scores"))
     kwargs = {"is_causal": False} if case == "is_causal=False" else {}
     out, _ = attention.attend(_causal_module(case != "not causal"), q, k, v, mask, scaling=0.3, **kwargs)
     assert grouped_calls == []
-    causal = case not in ("mask", "not causal", "is_causal=False", "one query row")
+    causal = case not in ("mask", "not causal", "is_causal=False") and not one_row
+    if case == "not square":  # transformers crops SDPA's causal keys to the queries' length
+        k, v = k[:, :, :3], v[:, :, :3]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=0)
 
