@@ -26,6 +26,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 NAME = "trio_sdpa"
 
@@ -38,9 +41,6 @@ GROUPED_MAX_SCORES = 1 << 22
 
 def install(model: Any) -> None:
     """Point ``model`` (an sdpa model) at ``attend``; other implementations are left as they are."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
     if model.config._attn_implementation != "sdpa":
         return
     AttentionInterface.register(NAME, attend)
@@ -60,8 +60,6 @@ def attend(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: (batch, heads, length, dim) in, (batch, length,
     heads, dim) out."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     takes, hidden = _matmul_path(module, query, key, attention_mask, dropout, kwargs)
     if not takes:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

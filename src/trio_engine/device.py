@@ -147,7 +147,7 @@ def gather_on_huge_pages(params: Sequence[torch.nn.Parameter]) -> None:
     starts = [0, *itertools.accumulate(-(-size // _ALIGN) * _ALIGN for size in sizes)]
     buffer = _huge_page_buffer(starts[-1])
     with torch.no_grad():
-        for p, start, size in zip(unique, starts, sizes, strict=False):  # starts has one more: the end
+        for p, start, size in zip(unique, starts[:-1], sizes, strict=True):  # starts[-1]: the end
             view = buffer[start:start + size].view(p.dtype).view(p.shape)
             view.copy_(p.data)
             p.data = view
