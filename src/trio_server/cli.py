@@ -102,6 +102,10 @@ def limits_from(args: argparse.Namespace) -> Any:
 def serve(args: argparse.Namespace) -> None:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):  # before the slow imports
         sys.exit("trio serve: --ssl-certfile and --ssl-keyfile go together (got only one)")
+    # A long-running shared server keeps its memory flat: with CPU hosts keeping freed memory
+    # (trio_engine.device.keep_freed_memory, meant for one user's training process) the soak
+    # server's RSS grew 37% in 10 minutes. The operator's own setting wins.
+    os.environ.setdefault("TRIO_KEEP_FREED_MEMORY", "0")
     fix_mmap_threshold()  # before the model and the first requests allocate
     import uvicorn
 
