@@ -24,7 +24,7 @@ from typing import Any
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ENGINES = ("local", "ray")
 _LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_per_user", "max_pending_per_user",
-                "max_pending_total", "max_batch_tokens", "max_pass_tokens")
+                "max_pending_total", "max_batch_tokens", "max_pass_tokens", "max_resident_runs")
 
 
 def _data_dir(value: str | None) -> Path:
@@ -289,6 +289,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-pass-tokens", type=int, metavar="N",
                    help="scheduler: a forward/forward_backward request over N tokens runs as several passes of at "
                         "most N tokens, so other users' steps go between them; 0: never split (default 64; raise it on a GPU)")
+    p.add_argument("--max-resident-runs", type=int, metavar="N",
+                   help="memory: training runs kept in memory per base model; past N the least recently used "
+                        "is written to its snapshot and freed, and comes back on its next request (default 64)")
     p.add_argument("--device", type=device, default=os.environ.get("TRIO_DEVICE") or "auto",
                    help="auto|cpu|cuda|cuda:N; auto picks CUDA when available (default $TRIO_DEVICE or auto)")
     p.add_argument("--ssl-certfile", metavar="PEM", help="serve HTTPS with this certificate (chain); needs --ssl-keyfile")

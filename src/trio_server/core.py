@@ -79,6 +79,7 @@ class Limits:
     max_lora_rank: int = 256
     max_samples_per_request: int = 256
     max_sampler_adapters: int = 16  # LRU of loaded sampler weights per host
+    max_resident_runs: int | None = 64  # training runs in memory per host; the least recently used go to disk
     seq_gap_seconds: float = 30.0  # how long a run's later requests wait for a missing one
     ephemeral_samplers_per_run: int = 8  # unnamed sampler weights a run keeps (older ones are removed)
     max_runs_per_user: int | None = None
@@ -493,7 +494,7 @@ class ServiceCore:
                 order = Sequencing(self.next_seq, self.lock, self.limits.seq_gap_seconds)
                 self.workers[base_model] = HostWorker(ctx, lambda item, r: self.resolve(item, *r), order,
                                                       self.idle_offload_seconds, self.limits.max_batch_tokens,
-                                                      self.limits.max_pass_tokens)
+                                                      self.limits.max_pass_tokens, self.limits.max_resident_runs)
             return self.workers[base_model]
 
     def _new_engine(self, base_model: str) -> Engine:

@@ -15,9 +15,12 @@ A large forward or forward_backward request is queued one part at a time
 (``splitting.py``): after each part the worker queues the next (due by its user's tag,
 so other users may go first), and resolves the request once, when its last part is done
 or one failed (``handlers.finish_split`` then merges the parts' results, or rolls the
-run's grads back to before the first part). When idle, the worker lets runs whose
-client went quiet leave memory (``Engine.offload``), and lets a run continue past a
-sequence number that never arrived.
+run's grads back to before the first part). After each batch and when idle, the worker
+lets runs leave memory (``Engine.offload``: to their snapshot, back on their next
+request): those whose client went quiet, and beyond ``max_resident_runs`` the least
+recently used, so a busy server's memory stays bounded however many runs its users
+leave behind. When idle, it also lets a run continue past a sequence number that never
+arrived.
 """
 
 from __future__ import annotations
@@ -49,12 +52,13 @@ class Sequencing:
 class HostWorker:
     def __init__(self, ctx: Context, resolve: Callable[[WorkItem, Result], None], order: Sequencing,
                  idle_offload_seconds: float, max_batch_tokens: int | None = None,
-                 max_pass_tokens: int | None = None):
+                 max_pass_tokens: int | None = None, max_resident_runs: int | None = None):
         self.ctx = ctx
         self.engine = ctx.engine
         self.resolve = resolve
         self.order = order
         self.idle_offload_seconds = idle_offload_seconds
+        self.max_resident_runs = max_resident_runs  # None: only idleness sends runs to disk
         self.pending: list[WorkItem] = []
         self.running: set[str] = set()
         self.running_op = ""  # the op of the running batch (when ``running``)
@@ -118,11 +122,12 @@ class HostWorker:
             admit, batch = work
             if batch:
                 self._run_batch(batch)
+                self._offload_runs()
             if admit or self.decoding:
                 self._decode(admit)
             elif not batch:
                 self._skip_missing_seqs()
-                self._offload_idle()
+                self._offload_runs()
 
     def _run_batch(self, batch: list[WorkItem]) -> None:
         try:
@@ -230,13 +235,23 @@ class HostWorker:
             with self.order.lock:
                 self.order.next_seq[run_id] = seq
 
-    def _offload_idle(self) -> None:
+    def _offload_runs(self) -> None:
+        """Send to disk the runs unused for ``idle_offload_seconds`` and, while more than
+        ``max_resident_runs`` are resident, the least recently used; a run with a queued
+        request (the next part of a split one, say) stays."""
+        with self.cond:
+            queued = {item.run_id for item in self.pending}
         cutoff = time.monotonic() - self.idle_offload_seconds
-        for run_id, used in list(self.last_used.items()):
-            if used < cutoff:
-                del self.last_used[run_id]
-                try:
-                    self.engine.offload(run_id)
-                    log.info("offloaded idle run %s to disk", run_id)
-                except Exception as exc:  # gone already (e.g. its engine restarted): nothing to free
-                    log.info("run %s not offloaded: %s", run_id, exc)
+        excess = len(self.last_used) - self.max_resident_runs if self.max_resident_runs is not None else 0
+        for used, run_id in sorted((used, run_id) for run_id, used in self.last_used.items()):
+            if used >= cutoff and excess <= 0:
+                return
+            if run_id in queued:
+                continue
+            del self.last_used[run_id]
+            excess -= 1
+            try:
+                self.engine.offload(run_id)
+                log.info("offloaded run %s to disk (unused for %.0f s)", run_id, time.monotonic() - used)
+            except Exception as exc:  # gone already (e.g. its engine restarted): nothing to free
+                log.info("run %s not offloaded: %s", run_id, exc)

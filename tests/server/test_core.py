@@ -11,6 +11,7 @@ import pytrio as trio
 from pytrio.transport.local import LocalTransport
 from trio_server.core import Limits, ServiceCore
 from trio_server.engine import snapshot_path
+from trio_server.worker import HostWorker, Sequencing
 
 from ..polling import wait_until
 
@@ -362,9 +363,69 @@ def test_a_recently_used_run_is_not_offloaded(tmp_path):
     tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
     tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
     worker = core.workers[MODEL]
-    worker._offload_idle()  # the worker calls it when idle; here at once
+    worker._offload_runs()  # the worker calls it after each batch and when idle; here at once
     assert tc.model_id in worker.last_used and tc.model_id in worker.engine.host.adapters
     core.close()  # (test_idle_runs_move_to_disk_and_come_back_unchanged: after the window, it goes)
+
+
+class _OffloadRecorder:
+    """An engine that only records which runs were sent to disk."""
+
+    def __init__(self) -> None:
+        self.offloaded: list[str] = []
+
+    def offload(self, run_id: str) -> None:
+        self.offloaded.append(run_id)
+
+    def close(self) -> None:
+        pass
+
+
+def _stopped_worker(idle_offload_seconds: float, max_resident_runs: int | None, ages: dict[str, float],
+                    queued: tuple[str, ...] = ()) -> HostWorker:
+    """A worker whose thread has ended (so nothing else offloads), its runs last used
+    ``ages`` seconds ago, with a request queued for each run in ``queued``."""
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(engine=_OffloadRecorder(), base_model="m")
+    worker = HostWorker(ctx, lambda item, result: None, Sequencing({}, threading.RLock(), 30.0),  # type: ignore[arg-type]
+                        idle_offload_seconds, max_resident_runs=max_resident_runs)
+    worker.stop()
+    now = time.monotonic()
+    worker.last_used = {run_id: now - age for run_id, age in ages.items()}
+    worker.pending = [SimpleNamespace(run_id=run_id) for run_id in queued]  # type: ignore[misc]
+    return worker
+
+
+def test_past_max_resident_runs_the_least_recently_used_leave_memory():
+    worker = _stopped_worker(600, 2, {"c": 1, "a": 3, "d": 0, "b": 2}, queued=("a",))
+    worker._offload_runs()
+    assert worker.engine.offloaded == ["b", "c"]  # a is older but has a request queued
+    assert set(worker.last_used) == {"a", "d"}
+    worker._offload_runs()
+    assert worker.engine.offloaded == ["b", "c"]  # two resident: none over the limit
+
+
+def test_runs_unused_past_the_idle_window_leave_memory_unless_queued():
+    worker = _stopped_worker(10, None, {"a": 20, "b": 11, "c": 5, "d": 30}, queued=("d",))
+    worker._offload_runs()
+    assert worker.engine.offloaded == ["a", "b"]
+    assert set(worker.last_used) == {"c", "d"}
+
+
+def test_a_busy_server_keeps_at_most_max_resident_runs_in_memory(tmp_path):
+    core = ServiceCore(tmp_path, dtype="float32", limits=Limits(max_resident_runs=1))
+    svc = trio.ServiceClient(transport=LocalTransport(core))
+    first, second = (svc.create_lora_training_client(base_model=MODEL, rank=2, seed=s) for s in (1, 2))
+    for tc in (first, second):
+        tc.forward_backward([DATUM])
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    adapters = core.workers[MODEL].engine.host.adapters
+    assert first.model_id not in adapters and second.model_id in adapters
+    first.forward_backward([DATUM])  # back from disk
+    assert first.optim_step(trio.AdamParams(learning_rate=1e-2)).result().metrics["step"] == 2.0
+    assert first.model_id in adapters and second.model_id not in adapters
+    core.close()
 
 
 def test_an_unknown_operation_is_not_found_and_request_ids_have_one_form(tmp_path):
