@@ -411,6 +411,18 @@ def test_runs_unused_past_the_idle_window_leave_memory_unless_queued():
     worker._offload_runs()
     assert worker.engine.offloaded == ["a", "b"]
     assert set(worker.last_used) == {"c", "d"}
+    worker._offload_runs()
+    assert worker.engine.offloaded == ["a", "b"]  # none idle, no limit: none leave
+
+
+def test_each_worker_gets_the_cores_scheduling_and_memory_limits(tmp_path):
+    limits = Limits(max_batch_tokens=99, max_pass_tokens=7, max_resident_runs=3)
+    core = ServiceCore(tmp_path, dtype="float32", limits=limits, idle_offload_seconds=42)
+    trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    worker = core.workers[MODEL]
+    assert (worker.max_batch_tokens, worker.max_pass_tokens, worker.max_resident_runs) == (99, 7, 3)
+    assert worker.idle_offload_seconds == 42
+    core.close()
 
 
 def test_a_busy_server_keeps_at_most_max_resident_runs_in_memory(tmp_path):
