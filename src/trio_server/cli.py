@@ -45,6 +45,17 @@ def engine(value: str) -> str:
     return value
 
 
+def positive(value: str) -> int:
+    """argparse type for a count that must be at least 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {value!r}: expected a whole number >= 1")
+    return number
+
+
 def placement(value: str) -> tuple[str, str]:
     """argparse type for ``--ray-place MODEL=RESOURCE``."""
     model, sep, resource = value.rpartition("=")
@@ -290,7 +301,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-pass-tokens", type=int, metavar="N",
                    help="scheduler: a forward/forward_backward request over N tokens runs as several passes of at "
                         "most N tokens, so other users' steps go between them; 0: never split (default 64; raise it on a GPU)")
-    p.add_argument("--max-resident-runs", type=int, metavar="N",
+    p.add_argument("--max-resident-runs", type=positive, metavar="N",
                    help="memory: training runs kept in memory per base model; past N the least recently used "
                         "is written to its snapshot and freed, and comes back on its next request (default 64)")
     p.add_argument("--device", type=device, default=os.environ.get("TRIO_DEVICE") or "auto",

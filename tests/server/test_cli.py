@@ -34,10 +34,12 @@ def test_max_pass_tokens_flag_and_zero_for_never_split():
     assert limits().max_pass_tokens == Limits().max_pass_tokens is not None
     assert limits("--max-pass-tokens", "96", "--max-batch-tokens", "512").max_pass_tokens == 96
     assert limits("--max-pass-tokens", "0").max_pass_tokens is None
+    assert limits().max_resident_runs == Limits().max_resident_runs == 64
+    assert limits("--max-resident-runs", "5").max_resident_runs == 5
 
 
 @pytest.mark.parametrize("argv", [["--device", "gpu"], ["--device", "cuda:x"], ["--engine", "spark"],
-                                  ["--ray-place", "no-resource"]])
+                                  ["--ray-place", "no-resource"], ["--max-resident-runs", "0"]])
 def test_bad_serve_flags_name_the_value(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])
