@@ -70,7 +70,9 @@ class Limits:
     scheduler's token budget per batch (see ``scheduler.py``); a forward or
     forward_backward request over ``max_pass_tokens`` runs as several passes of at most
     that many tokens, so no user waits long for another's pass (see ``splitting.py``;
-    None: never split).
+    None: never split). ``max_resident_runs`` bounds the training runs each base model's
+    host keeps in memory: past it, the least recently used without a queued request is
+    written to its snapshot and freed between batches (see ``worker.py``).
     """
 
     max_tokens_per_request: int = 131_072
@@ -89,6 +91,10 @@ class Limits:
     retry_after_seconds: float = 1.0
     max_batch_tokens: int = 8192
     max_pass_tokens: int | None = 64  # benchmarks/fairness.py: 64 meets its target on a 2-core CPU, 128 did not
+
+    def __post_init__(self) -> None:
+        if self.max_resident_runs is not None and self.max_resident_runs < 1:  # 0 would offload every run each batch
+            raise ValueError(f"max_resident_runs: must be at least 1 (or None: no limit), got {self.max_resident_runs}")
 
 
 @dataclass

@@ -15,7 +15,7 @@ A large forward or forward_backward request is queued one part at a time
 (``splitting.py``): after each part the worker queues the next (due by its user's tag,
 so other users may go first), and resolves the request once, when its last part is done
 or one failed (``handlers.finish_split`` then merges the parts' results, or rolls the
-run's grads back to before the first part). After each batch and when idle, the worker
+run's grads back to before the first part). On every turn of its loop, the worker
 lets runs leave memory (``Engine.offload``: to their snapshot, back on their next
 request): those whose client went quiet, and beyond ``max_resident_runs`` the least
 recently used, so a busy server's memory stays bounded however many runs its users
@@ -122,12 +122,11 @@ class HostWorker:
             admit, batch = work
             if batch:
                 self._run_batch(batch)
-                self._offload_runs()
             if admit or self.decoding:
                 self._decode(admit)
             elif not batch:
                 self._skip_missing_seqs()
-                self._offload_runs()
+            self._offload_runs()
 
     def _run_batch(self, batch: list[WorkItem]) -> None:
         try:
@@ -238,20 +237,25 @@ class HostWorker:
     def _offload_runs(self) -> None:
         """Send to disk the runs unused for ``idle_offload_seconds`` and, while more than
         ``max_resident_runs`` are resident, the least recently used; a run with a queued
-        request (the next part of a split one, say) stays."""
-        with self.cond:
-            queued = {item.run_id for item in self.pending}
+        request (the next part of a split one, say) stays. Called on every turn of the loop,
+        so it returns at once when there is nothing to do."""
         cutoff = time.monotonic() - self.idle_offload_seconds
         excess = len(self.last_used) - self.max_resident_runs if self.max_resident_runs is not None else 0
+        if excess <= 0 and min(self.last_used.values(), default=cutoff) >= cutoff:
+            return
+        with self.cond:
+            queued = {item.run_id for item in self.pending}
         for used, run_id in sorted((used, run_id) for run_id, used in self.last_used.items()):
             if used >= cutoff and excess <= 0:
                 return
             if run_id in queued:
                 continue
             del self.last_used[run_id]
-            excess -= 1
             try:
                 self.engine.offload(run_id)
-                log.info("offloaded run %s to disk (unused for %.0f s)", run_id, time.monotonic() - used)
-            except Exception as exc:  # gone already (e.g. its engine restarted): nothing to free
-                log.info("run %s not offloaded: %s", run_id, exc)
+            except Exception as exc:  # e.g. its snapshot could not be written: it stays, counted, tried later
+                self.last_used[run_id] = time.monotonic()
+                log.warning("run %s not offloaded: %s", run_id, exc)
+                continue
+            excess -= 1
+            log.info("offloaded run %s to disk (unused for %.0f s)", run_id, time.monotonic() - used)

@@ -369,12 +369,16 @@ def test_a_recently_used_run_is_not_offloaded(tmp_path):
 
 
 class _OffloadRecorder:
-    """An engine that only records which runs were sent to disk."""
+    """An engine that only records which runs were sent to disk (those in ``failing``
+    raise instead, as when a snapshot cannot be written)."""
 
     def __init__(self) -> None:
         self.offloaded: list[str] = []
+        self.failing: set[str] = set()
 
     def offload(self, run_id: str) -> None:
+        if run_id in self.failing:
+            raise OSError(f"no space left writing the snapshot of {run_id}")
         self.offloaded.append(run_id)
 
     def close(self) -> None:
@@ -404,6 +408,21 @@ def test_past_max_resident_runs_the_least_recently_used_leave_memory():
     assert set(worker.last_used) == {"a", "d"}
     worker._offload_runs()
     assert worker.engine.offloaded == ["b", "c"]  # two resident: none over the limit
+
+
+def test_a_run_whose_offload_fails_stays_counted_and_the_next_goes_instead():
+    worker = _stopped_worker(600, 2, {"a": 3, "b": 2, "c": 1, "d": 0})
+    worker.engine.failing = {"a"}
+    worker._offload_runs()
+    assert worker.engine.offloaded == ["b", "c"]  # still two over the limit after a failed
+    assert set(worker.last_used) == {"a", "d"}  # a is still in memory: tracked, tried again later
+    assert worker.last_used["a"] > worker.last_used["d"]  # ... once the others have had their turn
+
+
+def test_max_resident_runs_is_at_least_one():
+    with pytest.raises(ValueError, match="max_resident_runs"):
+        Limits(max_resident_runs=0)
+    assert Limits(max_resident_runs=None).max_resident_runs is None
 
 
 def test_runs_unused_past_the_idle_window_leave_memory_unless_queued():
