@@ -419,6 +419,12 @@ def test_a_run_whose_offload_fails_stays_counted_and_the_next_goes_instead():
     assert worker.last_used["a"] > worker.last_used["d"]  # ... once the others have had their turn
 
 
+def test_with_no_run_resident_there_is_nothing_to_offload():
+    worker = _stopped_worker(10, 2, {})  # e.g. a host that has only sampled
+    worker._offload_runs()
+    assert worker.engine.offloaded == [] and worker.last_used == {}
+
+
 def test_max_resident_runs_is_at_least_one():
     with pytest.raises(ValueError, match="max_resident_runs"):
         Limits(max_resident_runs=0)
