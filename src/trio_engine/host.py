@@ -131,7 +131,7 @@ class ModelHost:
         self.model, self.tokenizer = load_model_and_tokenizer(source, self.dtype, device=self.device)
         self.family = family_of(self.model.config)  # LoRA targets and head, per model family
         check_head(self.family, self.model.config)
-        self.routing = lora.install(self.model, self.family.all_targets())
+        self.routing = lora.install(self.model, self.family.all_targets(), self.family.siblings)
         self.trunk = self.model.get_decoder()
         # the one place logits are made, trainer and sampler alike: lm_head + family transform
         self.unembed = Head(self.model.get_output_embeddings(), self.family.transform(self.model.config))

@@ -44,6 +44,8 @@ from .lora import LoraConfig, LoRALinear
 LLAMA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = ("lm_head",)
+# projections that read one input, computed as one product (``lora.SiblingGroup``)
+LLAMA_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass(frozen=True)
@@ -51,13 +53,15 @@ class FamilySpec:
     """One model family: its LoRA target names and its head.
 
     ``softcap_key`` / ``multiply_key`` / ``divide_key`` name the config attribute of a
-    transform applied to ``lm_head``'s output (None: the family has none).
+    transform applied to ``lm_head``'s output (None: the family has none). ``siblings``:
+    groups of target names one module calls on the same input (fused into one product).
     """
 
     name: str
     attn_targets: tuple[str, ...] = LLAMA_ATTN
     mlp_targets: tuple[str, ...] = LLAMA_MLP
     unembed_targets: tuple[str, ...] = UNEMBED
+    siblings: tuple[tuple[str, ...], ...] = LLAMA_SIBLINGS
     softcap_key: str | None = None
     multiply_key: str | None = None
     divide_key: str | None = None
@@ -110,7 +114,8 @@ class LogitTransform:
 
 LLAMA = FamilySpec("llama")
 GEMMA2 = FamilySpec("gemma2", softcap_key="final_logit_softcapping")
-PHI3 = FamilySpec("phi3", attn_targets=("qkv_proj", "o_proj"), mlp_targets=("gate_up_proj", "down_proj"))
+PHI3 = FamilySpec("phi3", attn_targets=("qkv_proj", "o_proj"), mlp_targets=("gate_up_proj", "down_proj"),
+                  siblings=())  # fused in the checkpoint already
 COHERE = FamilySpec("cohere", multiply_key="logit_scale")
 GRANITE = FamilySpec("granite", divide_key="logits_scaling")
 

@@ -163,6 +163,16 @@ def test_cpu_weights_move_to_one_huge_page_buffer_keeping_values_and_ties():
         assert "hg" in _vm_flags(start)  # advised for huge pages before anything touched it
 
 
+def test_matrices_lie_side_by_side_so_biased_projections_stack_in_place():
+    """Biases go after every matrix: q/k/v with biases (Qwen2) stay adjacent, and the
+    fused product (``lora.fuse``) then views them where they lie, copying nothing."""
+    layer = torch.nn.ModuleDict({n: torch.nn.Linear(16, o) for n, o in (("q", 16), ("k", 8), ("v", 8))})
+    device.gather_on_huge_pages(list(layer.parameters()))
+    q, k, v = (layer[n].weight for n in ("q", "k", "v"))
+    assert k.data_ptr() == q.data_ptr() + q.nbytes and v.data_ptr() == k.data_ptr() + k.nbytes
+    assert min(m.bias.data_ptr() for m in layer.values()) > v.data_ptr()
+
+
 def test_a_cpu_host_holds_its_base_weights_in_its_own_memory(bundled_host):
     """Not in the safetensors file's page cache mapping (slower to read: see device.py)."""
     storages = {p.untyped_storage().data_ptr() for p in bundled_host.model.parameters()}

@@ -293,3 +293,156 @@ def test_deleting_an_adapter_removes_it_from_every_layer(tiny_host, new_id):
         tiny_host.create_adapter(aid, LoraConfig(rank=2))
     tiny_host.delete_adapter(gone)
     assert adapter_tensors(tiny_host.model, gone) == {} and adapter_tensors(tiny_host.model, keep)
+
+
+# -- sibling groups: q/k/v (and gate/up) as one product in bf16 inference ------------------
+
+SIBLINGS = (("q", "k", "v"),)
+BF16_TOL = 2e-2  # bf16 products against the fp32 formula, values of order 1
+
+
+def _siblings(bias: bool = True, adjacent: bool = True, originals: list | None = None
+              ) -> tuple[torch.nn.ModuleDict, Routing]:
+    """Three bf16 linears 12 -> 8 / 4 / 4 named q, k, v, wrapped and fused. ``adjacent``:
+    their weights lie side by side in one buffer (as ``gather_on_huge_pages`` leaves them).
+    ``originals`` receives their weights as they were before the fusion."""
+    from trio_engine.lora import install
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({n: torch.nn.Linear(12, o, bias=bias).to(torch.bfloat16)
+                                 for n, o in (("q", 8), ("k", 4), ("v", 4))})
+    if adjacent:
+        buffer = torch.cat([m.weight.detach() for m in model.values()])
+        start = 0
+        for m in model.values():
+            m.weight = torch.nn.Parameter(buffer[start:start + m.out_features], requires_grad=False)
+            start += m.out_features
+    if originals is not None:
+        originals += [m.weight.detach() for m in model.values()]
+    return model, install(model, ("q", "k", "v"), SIBLINGS)
+
+
+def _add(model: torch.nn.ModuleDict, adapter_id: str, names=("q", "k", "v"), rank: int = 2, scale: float = 0.5,
+         seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name in names:
+        layer = model[name]
+        layer.add(adapter_id, rank=rank, scale=scale, gen=gen)
+        with torch.no_grad():
+            layer.lora_B[adapter_id].normal_(generator=gen)
+
+
+def _formula(layer: LoRALinear, x: torch.Tensor, adapter_id: str | None) -> torch.Tensor:
+    """x W0ᵀ + b + s·(x Aᵀ)Bᵀ in fp32 from the bf16 base and the fp32 adapter."""
+    xf = x.float()
+    out = xf @ layer.base.weight.float().T
+    if layer.base.bias is not None:
+        out = out + layer.base.bias.float()
+    if adapter_id is not None and adapter_id in layer.lora_A:
+        out = out + layer.scales[adapter_id] * (xf @ layer.lora_A[adapter_id].T) @ layer.lora_B[adapter_id].T
+    return out
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("adjacent", [True, False])
+def test_fused_siblings_compute_each_members_formula(bias, adjacent):
+    """One stacked product for q, k, v gives each its own x W0ᵀ + b + s·(x Aᵀ)Bᵀ; the
+    members' weights become views of the stack, made in place when they lay side by
+    side and copied once when not."""
+    originals: list[torch.Tensor] = []
+    model, routing = _siblings(bias, adjacent, originals)
+    group = model["q"].group
+    assert group is not None and all(model[n].group is group for n in model)
+    assert all(model[n].base.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
+               for n in model)
+    assert (group.weight.untyped_storage().data_ptr() == originals[0].untyped_storage().data_ptr()) == adjacent
+    assert all(torch.equal(model[n].base.weight, w) for n, w in zip(("q", "k", "v"), originals, strict=True))
+    _add(model, "a")
+    x = torch.randn(2, 3, 12).to(torch.bfloat16)
+    with routing.use([("a", None)]), torch.no_grad():
+        outs = {n: model[n](x) for n in ("q", "k", "v")}
+    for n, out in outs.items():
+        assert out.shape == (2, 3, model[n].base.out_features) and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), _formula(model[n], x, "a"), atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def test_fused_siblings_route_rows_to_their_adapters():
+    """Rows of adapter a, base rows, and rows of adapter b, which only q and v carry (so
+    it is applied member by member) and with another scale: each row is its own
+    adapter's formula, the base model's where it has none."""
+    model, routing = _siblings()
+    _add(model, "a")
+    _add(model, "b", names=("q", "v"), scale=2.0, seed=2)
+    x = torch.randn(5, 12).to(torch.bfloat16)
+    rows = ["a", "a", None, "b", "b"]
+    from trio_engine.lora import segments
+
+    with routing.use(segments(rows)), torch.no_grad():
+        outs = {n: model[n](x) for n in ("q", "k", "v")}
+    for n, out in outs.items():
+        for i, adapter_id in enumerate(rows):
+            torch.testing.assert_close(out[i].float(), _formula(model[n], x[i:i + 1], adapter_id)[0],
+                                       atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def test_a_member_fed_another_input_gets_its_own_output():
+    """The group keeps k's and v's outputs for the input q saw; k called with another
+    tensor (or an input changed in place, or q called twice) must not get them."""
+    model, routing = _siblings()
+    _add(model, "a")
+    x, other = torch.randn(4, 12).to(torch.bfloat16), torch.randn(4, 12).to(torch.bfloat16)
+    with routing.use([("a", None)]), torch.no_grad():
+        model["q"](x)
+        k_other = model["k"](other)
+        q_again = model["q"](x)
+        q_twice = model["q"](x)
+        x.mul_(2)
+        v_changed = model["v"](x)
+    for got, name, inp in ((k_other, "k", other), (q_again, "q", x / 2), (q_twice, "q", x / 2), (v_changed, "v", x)):
+        torch.testing.assert_close(got.float(), _formula(model[name], inp, "a"), atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def test_fused_stacks_follow_updates_and_deletion():
+    """The cached stacked A / block-diagonal B refresh after an in-place update (what the
+    optimizer does) and go when the adapter is removed."""
+    model, routing = _siblings()
+    _add(model, "a")
+    x = torch.randn(3, 12).to(torch.bfloat16)
+    with routing.use([("a", None)]), torch.no_grad():
+        [model[n](x) for n in ("q", "k", "v")]
+        model["k"].lora_B["a"].add_(1.0)
+        model["k"].lora_A["a"].mul_(-1.0)
+        outs = {n: model[n](x) for n in ("q", "k", "v")}
+    for n, out in outs.items():
+        torch.testing.assert_close(out.float(), _formula(model[n], x, "a"), atol=BF16_TOL, rtol=BF16_TOL)
+    group = model["q"].group
+    assert group._stacks
+    for n in model:
+        model[n].remove("a")
+    assert not group._stacks
+
+
+def test_training_and_fp32_products_bypass_the_group():
+    """With autograd on, or in fp32, each member computes alone (the group is for bf16
+    inference): gradients reach each member's A and B, and nothing is left pending."""
+    model, routing = _siblings()
+    _add(model, "a")
+    x = torch.randn(3, 12).to(torch.bfloat16)
+    with routing.use([("a", None)]):
+        loss = sum(model[n](x).float().sum() for n in ("q", "k", "v"))
+    loss.backward()
+    assert all(model[n].lora_A["a"].grad is not None and model[n].lora_B["a"].grad is not None for n in model)
+    assert model["q"].group._pending is None and not model["q"].group._stacks
+
+
+def test_fuse_leaves_siblings_that_do_not_fit_one_product():
+    from trio_engine.lora import fuse
+
+    routing = Routing()
+    wide = [LoRALinear(torch.nn.Linear(12, 4), routing), LoRALinear(torch.nn.Linear(10, 4), routing)]
+    half_bias = [LoRALinear(torch.nn.Linear(12, 4), routing), LoRALinear(torch.nn.Linear(12, 4, bias=False), routing)]
+    dtypes = [LoRALinear(torch.nn.Linear(12, 4), routing), LoRALinear(torch.nn.Linear(12, 4).double(), routing)]
+    for members in (wide, half_bias, dtypes):
+        weights = [m.base.weight for m in members]
+        assert fuse(members) is None
+        assert all(m.group is None and m.base.weight is w for m, w in zip(members, weights))
