@@ -156,17 +156,30 @@ class PrefixCache:
         self.nbytes = 0
 
     def lookup(self, weights: Hashable, prompt: list[int]) -> tuple[int, KV | None]:
-        """(tokens reused, their KV) of the longest entry that is a proper prefix of ``prompt``."""
-        best: tuple[Hashable, tuple[int, ...]] | None = None
+        """(tokens reused, their KV): the longest run of ``prompt``'s first tokens, short of
+        its last, that an entry of the same weights begins with.
+
+        The entry may be shorter than the prompt (an earlier turn), as long, or longer (the
+        same prompt sampled before, its sampled tokens stored after it), or part from it
+        (the same system prompt, another question): KV at a position depends only on the
+        tokens up to it, so the common tokens' KV is the prompt's own.
+        """
+        limit = len(prompt) - 1  # the last prompt token must run: its hidden state gives the first draw
+        wanted = tuple(prompt[:limit])
+        best, best_n = None, 0
         for key in self.entries:
             w, tokens = key
-            n = len(tokens)
-            if w == weights and n < len(prompt) and (best is None or n > len(best[1])) and tuple(prompt[:n]) == tokens:
-                best = key
+            if w == weights and min(len(tokens), limit) > best_n:
+                n = _common_prefix(tokens, wanted)
+                if n > best_n:
+                    best, best_n = key, n
         if best is None:
             return 0, None
         self.entries.move_to_end(best)
-        return len(best[1]), self.entries[best]
+        kv = self.entries[best]
+        if best_n < len(best[1]):
+            kv = [(k[:, :best_n], v[:, :best_n]) for k, v in kv]
+        return best_n, kv
 
     def store(self, weights: Hashable, tokens: list[int], kv: KV) -> None:
         key = (weights, tuple(tokens))
@@ -178,6 +191,22 @@ class PrefixCache:
         while self.nbytes > self.max_bytes:
             _, old = self.entries.popitem(last=False)
             self.nbytes -= _kv_bytes(old)
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many first tokens ``a`` and ``b`` share: tuple slices compare in C, so a binary
+    search on them beats a Python loop over thousands of tokens."""
+    limit = min(len(a), len(b))
+    if a[:limit] == b[:limit]:
+        return limit
+    low, high = 0, limit  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def _kv_bytes(kv: KV) -> int:

@@ -632,12 +632,53 @@ def test_the_prefix_cache_is_bounded_least_recently_used_out_first():
     assert cache.nbytes <= cache.max_bytes
     assert cache.lookup("w", [5, 6, 7, 8, 1])[0] == 0 and cache.lookup("w", [1, 2, 3, 4, 1])[0] == 4
     assert cache.lookup("other", [1, 2, 3, 4, 1])[0] == 0  # per weights
-    assert cache.lookup("w", [1, 2, 3, 4])[0] == 0  # a hit leaves a token to run
+    assert cache.lookup("w", [1, 2, 3, 4])[0] == 3  # a hit leaves a token to run
     cache.store("w", list(range(20)), kv(20))  # larger than the whole cache: not stored, nothing leaves
     assert cache.lookup("w", list(range(21)))[0] == 0 and cache.lookup("w", [1, 2, 3, 4, 1])[0] == 4
     assert cache.nbytes == sum(_kv_bytes(kv) for kv in cache.entries.values()) <= cache.max_bytes
     cache.store("w", [1, 2, 3, 4], kv(4))  # already there: counted once
     assert cache.nbytes == sum(_kv_bytes(kv) for kv in cache.entries.values())
+
+
+def test_the_prefix_cache_reuses_the_longest_common_start_of_any_entry():
+    """An entry as long as the prompt, longer, or parting from it mid-way gives the KV of
+    the tokens they share (never the prompt's last): the first positions of its KV."""
+    from trio_engine.sampler import PrefixCache
+
+    def kv(tokens):  # one layer; position i holds the value tokens[i], so slices are checkable
+        t = torch.tensor(tokens, dtype=torch.float32)[None, :, None].expand(2, len(tokens), 4)
+        return [(t.clone(), -t.clone())]
+
+    cache = PrefixCache()
+    cache.store("w", [1, 2, 3, 4, 5, 6], kv([1, 2, 3, 4, 5, 6]))
+    cache.store("w", [1, 2, 7], kv([1, 2, 7]))
+    cases = {(1, 2, 3, 4, 5, 6): 5, (1, 2, 3, 4): 3, (1, 2, 3, 9, 9): 3, (1, 2, 7, 8): 3, (1, 2, 8): 2,
+             (1, 9): 1, (9, 1, 2): 0, (1,): 0}
+    for prompt, want in cases.items():
+        n, got = cache.lookup("w", list(prompt))
+        assert n == want, prompt
+        if want:
+            assert got is not None and got[0][0].shape == (2, want, 4)
+            assert got[0][0][0, :, 0].tolist() == list(prompt[:want]) and torch.equal(got[0][1], -got[0][0])
+    assert cache.lookup("v", [1, 2, 3, 4])[0] == 0
+
+
+def test_a_repeated_prompt_reuses_all_but_its_last_token_and_samples_as_without_it(tiny_host, adapted):
+    """The same prompt again (a group of rollouts sent as separate requests), and one that
+    parts from it after a few tokens: each reuses the shared KV and samples exactly what
+    it samples with no prefix cache at all."""
+    cfg = SamplingConfig(max_tokens=5, temperature=1.0, seed=43, ignore_eos=True)
+    prompt = [61, 62, 63, 64, 65, 66]
+    tiny_host.sample([SampleRequest(adapted, prompt, 2, cfg)])
+    requests = [SampleRequest(adapted, prompt, 1, cfg), SampleRequest(adapted, prompt[:3] + [90, 91], 1, cfg)]
+    with torch.no_grad():
+        want = [without_prefix_cache(tiny_host, r) for r in requests]
+    got = tiny_host.sample(requests)
+    assert [g.cached_prompt_tokens for g in got] == [len(prompt) - 1, 3]
+    for g, w in zip(got, want):
+        assert g.sequences[0].tokens == w.sequences[0].tokens
+        torch.testing.assert_close(torch.tensor(g.sequences[0].logprobs), torch.tensor(w.sequences[0].logprobs),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_the_prefix_cache_fills_to_exactly_its_bound():
