@@ -178,6 +178,11 @@ class SiblingGroup:
     diagonal: more FLOPs on rank-sized products, which cost nothing here) instead of three
     of each: bf16 sampling 1.12x faster for 8 x 64 tokens, 1.14x for one sequence.
 
+    Memory: the stacks replace the members' cached bf16 casts of ``A`` and ``B``; the
+    block-diagonal ``B``'s zeros make them ~1.7x those casts, ~23 instead of ~13 MB per
+    sampled rank-32 adapter of the bundled model (its fp32 weights are ~45 MB). They go
+    with the adapter (``forget``) and are rebuilt after any change to its weights.
+
     Only for inference in a reduced-precision dtype (``applies``). In fp32 the same gained
     2-4% (within noise) and its stacks would be a second copy of each sampled adapter
     (bf16 needs a cast copy anyway). In training, stacking was 1-4% slower (the wider

@@ -301,22 +301,30 @@ SIBLINGS = (("q", "k", "v"),)
 BF16_TOL = 2e-2  # bf16 products against the fp32 formula, values of order 1
 
 
-def _siblings(bias: bool = True, adjacent: bool = True, originals: list | None = None
+def _siblings(bias: bool = True, layout: str = "adjacent", originals: list | None = None
               ) -> tuple[torch.nn.ModuleDict, Routing]:
-    """Three bf16 linears 12 -> 8 / 4 / 4 named q, k, v, wrapped and fused. ``adjacent``:
-    their weights lie side by side in one buffer (as ``gather_on_huge_pages`` leaves them).
+    """Three bf16 linears 12 -> 8 / 4 / 4 named q, k, v, wrapped and fused. ``layout`` of
+    their weights: "adjacent", side by side in one buffer (as ``gather_on_huge_pages``
+    leaves them); "apart", tensors of their own; "gap", one buffer with a row between q
+    and k; "transposed", one buffer, but k is a transposed view starting where q ends.
     ``originals`` receives their weights as they were before the fusion."""
     from trio_engine.lora import install
 
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({n: torch.nn.Linear(12, o, bias=bias).to(torch.bfloat16)
                                  for n, o in (("q", 8), ("k", 4), ("v", 4))})
-    if adjacent:
-        buffer = torch.cat([m.weight.detach() for m in model.values()])
+    if layout != "apart":
+        buffer = torch.empty(17 * 12, dtype=torch.bfloat16)
         start = 0
-        for m in model.values():
-            m.weight = torch.nn.Parameter(buffer[start:start + m.out_features], requires_grad=False)
-            start += m.out_features
+        for name, m in model.items():
+            start += 12 if layout == "gap" and name == "k" else 0
+            size = m.out_features * 12
+            view = buffer[start:start + size].view(m.out_features, 12)
+            if layout == "transposed" and name == "k":
+                view = buffer[start:start + size].view(12, m.out_features).t()
+            view.copy_(m.weight.detach())
+            m.weight = torch.nn.Parameter(view, requires_grad=False)
+            start += size
     if originals is not None:
         originals += [m.weight.detach() for m in model.values()]
     return model, install(model, ("q", "k", "v"), SIBLINGS)
@@ -344,19 +352,21 @@ def _formula(layer: LoRALinear, x: torch.Tensor, adapter_id: str | None) -> torc
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("adjacent", [True, False])
-def test_fused_siblings_compute_each_members_formula(bias, adjacent):
+@pytest.mark.parametrize("layout", ["adjacent", "apart", "gap", "transposed"])
+def test_fused_siblings_compute_each_members_formula(bias, layout):
     """One stacked product for q, k, v gives each its own x W0ᵀ + b + s·(x Aᵀ)Bᵀ; the
-    members' weights become views of the stack, made in place when they lay side by
-    side and copied once when not."""
+    members' weights become frozen views of the stack, made in place only when they lay
+    side by side, and copied once otherwise."""
     originals: list[torch.Tensor] = []
-    model, routing = _siblings(bias, adjacent, originals)
+    model, routing = _siblings(bias, layout, originals)
     group = model["q"].group
     assert group is not None and all(model[n].group is group for n in model)
     assert all(model[n].base.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
                for n in model)
-    assert (group.weight.untyped_storage().data_ptr() == originals[0].untyped_storage().data_ptr()) == adjacent
+    in_place = group.weight.untyped_storage().data_ptr() == originals[0].untyped_storage().data_ptr()
+    assert in_place == (layout == "adjacent")
     assert all(torch.equal(model[n].base.weight, w) for n, w in zip(("q", "k", "v"), originals, strict=True))
+    assert not any(p.requires_grad for n in model for p in model[n].base.parameters())
     _add(model, "a")
     x = torch.randn(2, 3, 12).to(torch.bfloat16)
     with routing.use([("a", None)]), torch.no_grad():
@@ -366,6 +376,27 @@ def test_fused_siblings_compute_each_members_formula(bias, adjacent):
         torch.testing.assert_close(out.float(), _formula(model[n], x, "a"), atol=BF16_TOL, rtol=BF16_TOL)
 
 
+def test_siblings_fed_one_input_make_one_product_and_reuse_their_stacks(monkeypatch):
+    """q, k, v on one input: one group product, whose stacked A / block-diagonal B are
+    built once and reused by later steps (a decode step must not rebuild them)."""
+    from trio_engine.lora import SiblingGroup
+
+    model, routing = _siblings()
+    _add(model, "a")
+    group = model["q"].group
+    computed = []
+    real = SiblingGroup._compute
+    monkeypatch.setattr(SiblingGroup, "_compute", lambda self, x: computed.append(x) or real(self, x))
+    x = torch.randn(3, 1, 12).to(torch.bfloat16)
+    with routing.use([("a", None)]), torch.no_grad():
+        for _ in range(2):
+            [model[n](x) for n in ("q", "k", "v")]
+        first = group._stacked("a", torch.bfloat16)
+        again = group._stacked("a", torch.bfloat16)
+    assert len(computed) == 2 and group._pending is None
+    assert first[0] is again[0] and first[1] is again[1]
+
+
 def test_fused_siblings_route_rows_to_their_adapters():
     """Rows of adapter a, base rows, and rows of adapter b, which only q and v carry (so
     it is applied member by member) and with another scale: each row is its own
@@ -373,7 +404,7 @@ def test_fused_siblings_route_rows_to_their_adapters():
     model, routing = _siblings()
     _add(model, "a")
     _add(model, "b", names=("q", "v"), scale=2.0, seed=2)
-    x = torch.randn(5, 12).to(torch.bfloat16)
+    x = torch.randn(5, 1, 12).to(torch.bfloat16)  # (rows, one decode position, in)
     rows = ["a", "a", None, "b", "b"]
     from trio_engine.lora import segments
 
@@ -381,7 +412,8 @@ def test_fused_siblings_route_rows_to_their_adapters():
         outs = {n: model[n](x) for n in ("q", "k", "v")}
     for n, out in outs.items():
         for i, adapter_id in enumerate(rows):
-            torch.testing.assert_close(out[i].float(), _formula(model[n], x[i:i + 1], adapter_id)[0],
+            assert out.shape == (5, 1, model[n].base.out_features)
+            torch.testing.assert_close(out[i].float(), _formula(model[n], x[i], adapter_id),
                                        atol=BF16_TOL, rtol=BF16_TOL)
 
 
