@@ -210,8 +210,10 @@ class SiblingGroup:
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
-        """Whether a product of ``x`` goes through the group (see the class docstring)."""
-        return not torch.is_grad_enabled() and x.dtype in (torch.bfloat16, torch.float16)
+        """Whether a product of ``x`` goes through the group (see the class docstring).
+        Not for tensors made under ``torch.inference_mode``: they have no version counter,
+        which ``output`` needs to know an input unchanged."""
+        return not torch.is_grad_enabled() and x.dtype in (torch.bfloat16, torch.float16) and not x.is_inference()
 
     def output(self, member: LoRALinear, x: torch.Tensor) -> torch.Tensor:
         """``member``'s output for ``x``."""

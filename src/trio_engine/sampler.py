@@ -148,10 +148,14 @@ class PrefixCache:
     with other weights (before an ``optim_step``, a load) is never reused. A hit leaves
     at least one prompt token to run: its hidden state gives the first draw. Bounded by
     ``max_bytes`` of KV, least recently used out first; ``max_bytes=0`` turns it off.
+    A match that ends inside an entry (the prompt parts from it, or is shorter) counts only
+    from ``min_shared`` tokens: a few shared tokens (a BOS, a chat template's opening) save
+    next to nothing and cost a padded admission.
     """
 
-    def __init__(self, max_bytes: int = 256 << 20):
+    def __init__(self, max_bytes: int = 256 << 20, min_shared: int = 8):
         self.max_bytes = max_bytes
+        self.min_shared = min_shared
         self.entries: OrderedDict[tuple[Hashable, tuple[int, ...]], KV] = OrderedDict()
         self.nbytes = 0
 
@@ -171,7 +175,7 @@ class PrefixCache:
             w, tokens = key
             if w == weights and min(len(tokens), limit) > best_n:
                 n = _common_prefix(tokens, wanted)
-                if n > best_n:
+                if n > best_n and (n == len(tokens) or n >= self.min_shared):
                     best, best_n = key, n
         if best is None:
             return 0, None
@@ -252,7 +256,10 @@ class DecodeBatch:
 
     Seeds: each request draws from its own generator, one number per live row of it per
     step, in its row order, so a seeded request gets the same tokens whatever else is in
-    the batch and whenever it was admitted.
+    the batch and whenever it was admitted. In bf16/fp16 KV reused from the prefix cache
+    rounds differently from a prefill of the whole prompt (enough to change sampled
+    tokens), so there a seeded request reuses none and gets the same tokens whatever was
+    sampled before; in fp32 the two agree and seeded requests reuse it too.
 
     Requests must be validated (``validate_request``) before ``admit``; callers hold the
     host's lock and ``torch.no_grad`` (``ModelHost.admit`` / ``ModelHost.decode_step``).
@@ -261,6 +268,7 @@ class DecodeBatch:
     def __init__(self, host: SamplingHost, prefix_cache: PrefixCache | None = None):
         self.host = host
         self.prefix = prefix_cache if prefix_cache is not None and prefix_cache.max_bytes > 0 else None
+        self.exact_reuse = host.model.dtype in (torch.float32, torch.float64)  # see "Seeds" above
         self.eos = _eos_ids(host)
         self._reset()
 
@@ -300,7 +308,8 @@ class DecodeBatch:
         tickets = list(range(len(requests))) if tickets is None else tickets
         dev = self.host.device
         weights = [self.host.weights_key(r.adapter_id) if self.prefix else None for r in requests]
-        hits = [self.prefix.lookup(w, r.prompt) if self.prefix else (0, None) for w, r in zip(weights, requests)]
+        hits = [self.prefix.lookup(w, r.prompt) if self.prefix and self._may_reuse(r) else (0, None)
+                for w, r in zip(weights, requests)]
         cache = DynamicCache()
         hidden, mask = _prefill(self.host, requests, cache, hits)  # (P, H), (P, L')
         if self.prefix:
@@ -327,6 +336,10 @@ class DecodeBatch:
             self.mask = _merge_caches(self.cache, self.mask, cache, mask)
             self.hidden = torch.cat([self.hidden, hidden])
         self.rows.extend(rows)
+
+    def _may_reuse(self, request: SampleRequest) -> bool:
+        """Whether ``request`` may take KV from a prefix cache (see "Seeds" above)."""
+        return self.exact_reuse or request.config.seed is None
 
     def step(self) -> list[tuple[Hashable, SampleResult]]:
         """One token for every live row; returns the requests that finished, which leave."""

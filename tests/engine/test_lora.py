@@ -454,6 +454,19 @@ def test_fused_stacks_follow_updates_and_deletion():
     assert not group._stacks
 
 
+def test_siblings_under_inference_mode_compute_alone():
+    """Tensors made under ``torch.inference_mode`` have no version counter, which the
+    group's hand-over needs: each member computes its own output, right."""
+    model, routing = _siblings()
+    _add(model, "a")
+    with routing.use([("a", None)]), torch.inference_mode():
+        x = torch.randn(3, 12).to(torch.bfloat16)
+        outs = {n: model[n](x) for n in ("q", "k", "v")}
+    for n, out in outs.items():
+        torch.testing.assert_close(out.float(), _formula(model[n], x, "a"), atol=BF16_TOL, rtol=BF16_TOL)
+    assert model["q"].group._pending is None
+
+
 def test_training_and_fp32_products_bypass_the_group():
     """With autograd on, or in fp32, each member computes alone (the group is for bf16
     inference): gradients reach each member's A and B, and nothing is left pending."""

@@ -564,10 +564,28 @@ def without_prefix_cache(host, req):
     return results["ref"]
 
 
-def test_a_next_turn_reuses_the_last_turns_kv_and_samples_as_without_it(tiny_host, adapted):
+@pytest.fixture
+def fresh(tiny_host, new_id):
+    """A new randomized adapter: no prefix-cache entry has its weights, whatever ran before
+    (the host and its cache are shared by the whole session)."""
+    def make() -> str:
+        aid = new_id("prefix")
+        tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=1))
+        randomize_adapter(tiny_host, aid, seed=5, scale=0.2)
+        made.append(aid)
+        return aid
+
+    made: list[str] = []
+    yield make
+    for aid in made:
+        tiny_host.delete_adapter(aid)
+
+
+def test_a_next_turn_reuses_the_last_turns_kv_and_samples_as_without_it(tiny_host, fresh):
     """Turn 2 = turn 1's prompt + its sampled tokens + new tokens: all but the newest
     sampled token's KV come from the cache, and tokens and logprobs are as without it."""
     cfg = SamplingConfig(max_tokens=6, temperature=1.0, seed=31, ignore_eos=True)
+    adapted = fresh()
     turn1 = SampleRequest(adapted, [11, 12, 13, 14, 15, 16], 1, cfg)
     first = tiny_host.sample([turn1])[0]
     assert first.cached_prompt_tokens == 0
@@ -579,14 +597,15 @@ def test_a_next_turn_reuses_the_last_turns_kv_and_samples_as_without_it(tiny_hos
     assert got.sequences[0].tokens == want.sequences[0].tokens
     torch.testing.assert_close(torch.tensor(got.sequences[0].logprobs), torch.tensor(want.sequences[0].logprobs),
                                atol=1e-5, rtol=1e-5)
-    # the same prompt with another adapter (here: none) reuses nothing
-    assert tiny_host.sample([SampleRequest(None, turn2.prompt, 1, cfg)])[0].cached_prompt_tokens == 0
+    # the same prompt with other weights reuses nothing
+    assert tiny_host.sample([SampleRequest(fresh(), turn2.prompt, 1, cfg)])[0].cached_prompt_tokens == 0
 
 
-def test_prompts_with_and_without_a_cached_prefix_share_one_admission(tiny_host, adapted):
+def test_prompts_with_and_without_a_cached_prefix_share_one_admission(tiny_host, fresh):
     """One admission of a prompt extending a cached one and of a prompt with no cached
     prefix: each samples what it samples with no prefix cache at all."""
     cfg = SamplingConfig(max_tokens=5, temperature=1.0, seed=41, ignore_eos=True)
+    adapted = fresh()
     tiny_host.sample([SampleRequest(adapted, [31, 32, 33, 34, 35], 1, cfg)])
     requests = [SampleRequest(adapted, [31, 32, 33, 34, 35, 36, 37], 1, cfg),
                 SampleRequest(adapted, [51, 52, 53], 2, cfg)]
@@ -624,7 +643,7 @@ def test_the_prefix_cache_is_bounded_least_recently_used_out_first():
     def kv(n):  # one layer, 2 heads, n tokens, dim 4: 2 * 2 * n * 4 * 4 bytes
         return [(torch.zeros(2, n, 4), torch.zeros(2, n, 4))]
 
-    cache = PrefixCache(max_bytes=64 * 10)  # room for 10 tokens
+    cache = PrefixCache(max_bytes=64 * 10, min_shared=1)  # room for 10 tokens
     cache.store("w", [1, 2, 3, 4], kv(4))
     cache.store("w", [5, 6, 7, 8], kv(4))
     assert cache.lookup("w", [1, 2, 3, 4, 9])[0] == 4  # now the most recently used
@@ -649,7 +668,7 @@ def test_the_prefix_cache_reuses_the_longest_common_start_of_any_entry():
         t = torch.tensor(tokens, dtype=torch.float32)[None, :, None].expand(2, len(tokens), 4)
         return [(t.clone(), -t.clone())]
 
-    cache = PrefixCache()
+    cache = PrefixCache(min_shared=1)
     cache.store("w", [1, 2, 3, 4, 5, 6], kv([1, 2, 3, 4, 5, 6]))
     cache.store("w", [1, 2, 7], kv([1, 2, 7]))
     cases = {(1, 2, 3, 4, 5, 6): 5, (1, 2, 3, 4): 3, (1, 2, 3, 9, 9): 3, (1, 2, 7, 8): 3, (1, 2, 8): 2,
@@ -661,24 +680,48 @@ def test_the_prefix_cache_reuses_the_longest_common_start_of_any_entry():
             assert got is not None and got[0][0].shape == (2, want, 4)
             assert got[0][0][0, :, 0].tolist() == list(prompt[:want]) and torch.equal(got[0][1], -got[0][0])
     assert cache.lookup("v", [1, 2, 3, 4])[0] == 0
+    # by default a match ending inside an entry needs 8 shared tokens; a whole entry any
+    cache = PrefixCache()
+    cache.store("w", [1, 2, 3], kv([1, 2, 3]))
+    cache.store("w", list(range(10, 30)), kv(list(range(10, 30))))
+    assert cache.lookup("w", [1, 2, 3, 4])[0] == 3 and cache.lookup("w", [1, 2, 9])[0] == 0
+    assert cache.lookup("w", list(range(10, 17)) + [0])[0] == 0
+    assert cache.lookup("w", list(range(10, 18)) + [0])[0] == 8
 
 
-def test_a_repeated_prompt_reuses_all_but_its_last_token_and_samples_as_without_it(tiny_host, adapted):
+def test_a_repeated_prompt_reuses_all_but_its_last_token_and_samples_as_without_it(tiny_host, fresh):
     """The same prompt again (a group of rollouts sent as separate requests), and one that
-    parts from it after a few tokens: each reuses the shared KV and samples exactly what
-    it samples with no prefix cache at all."""
+    parts from it after 9 tokens: each reuses the shared KV and, in fp32, samples exactly
+    what it samples with no prefix cache at all (seeded)."""
     cfg = SamplingConfig(max_tokens=5, temperature=1.0, seed=43, ignore_eos=True)
-    prompt = [61, 62, 63, 64, 65, 66]
+    adapted = fresh()
+    prompt = list(range(61, 73))
     tiny_host.sample([SampleRequest(adapted, prompt, 2, cfg)])
-    requests = [SampleRequest(adapted, prompt, 1, cfg), SampleRequest(adapted, prompt[:3] + [90, 91], 1, cfg)]
+    requests = [SampleRequest(adapted, prompt, 1, cfg), SampleRequest(adapted, prompt[:9] + [90, 91], 1, cfg)]
     with torch.no_grad():
         want = [without_prefix_cache(tiny_host, r) for r in requests]
     got = tiny_host.sample(requests)
-    assert [g.cached_prompt_tokens for g in got] == [len(prompt) - 1, 3]
+    assert [g.cached_prompt_tokens for g in got] == [len(prompt) - 1, 9]
     for g, w in zip(got, want):
         assert g.sequences[0].tokens == w.sequences[0].tokens
         torch.testing.assert_close(torch.tensor(g.sequences[0].logprobs), torch.tensor(w.sequences[0].logprobs),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_in_bf16_only_unseeded_requests_reuse_cached_kv(new_id):
+    """bf16 KV from the cache rounds differently from a whole prefill, enough to change
+    sampled tokens: a seeded request reuses none (so a resend gets the same tokens),
+    an unseeded one reuses it."""
+    from trio_engine import TINY_LLAMA, ModelHost
+
+    host = ModelHost(TINY_LLAMA, dtype="bfloat16")
+    prompt = list(range(61, 81))
+    seeded = SampleRequest(None, prompt, 2, SamplingConfig(max_tokens=8, seed=7, ignore_eos=True))
+    first, again = host.sample([seeded])[0], host.sample([seeded])[0]
+    assert first.cached_prompt_tokens == again.cached_prompt_tokens == 0
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+    unseeded = SampleRequest(None, prompt, 1, SamplingConfig(max_tokens=2, ignore_eos=True))
+    assert host.sample([unseeded])[0].cached_prompt_tokens == len(prompt) - 1
 
 
 def test_the_prefix_cache_fills_to_exactly_its_bound():
