@@ -28,12 +28,24 @@ def test_grouped_matches_sdpa_in_values_and_gradients():
     q, k, v = _qkv(torch.float64)
     got = attention.grouped(q, k, v, 0.3, torch.ones(5, 5, dtype=torch.bool).triu(1))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # its softmax runs in fp32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)  # in fp64 throughout
     out = torch.randn_like(want)
     got_grads = torch.autograd.grad(got, (q, k, v), out)
     want_grads = torch.autograd.grad(want, (q, k, v), out)
     for g, w in zip(got_grads, want_grads, strict=True):
-        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_grouped_applies_a_padding_mask_of_each_batch_row(batch):
+    """A decode step's mask (batch, 1, 1, 1, keys): one row's (shared by every head, as
+    SDPA's) or a batch of them."""
+    q, k, v = (t[:batch] for t in _qkv(torch.float64, q_length=1))
+    hidden = torch.zeros(batch, 1, 1, 1, 5, dtype=torch.bool)
+    hidden[-1, ..., :2] = True
+    got = attention.grouped(q, k, v, 0.3, hidden)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden[:, :, 0], scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 @pytest.fixture
