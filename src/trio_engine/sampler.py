@@ -237,6 +237,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str = ""
+    pending: int | None = None  # a prompt token still to run (``DecodeBatch.admit``): nothing drawn yet
 
 
 class DecodeBatch:
@@ -246,7 +247,9 @@ class DecodeBatch:
     prefill) into a cache of their own, then merges it into the running one; ``step``
     draws one token for every live row and returns the requests whose rows all finished,
     which leave the batch at once. Between steps the state is, for every live row: its KV
-    cache up to and including its newest token, and the hidden state of that token.
+    cache up to and including its newest token, and the hidden state of that token; or,
+    for a row admitted onto cached KV of its whole prompt but the last token, that KV and
+    the token still to run (``_Row.pending``).
 
     Rows of different lengths share one cache by left padding: ``mask`` (R, L) marks the
     real positions, a row's position ids count its real tokens only, so padding changes
@@ -300,6 +303,13 @@ class DecodeBatch:
     def admit(self, requests: list[SampleRequest], tickets: list[Hashable] | None = None) -> None:
         """Prefill ``requests`` and add their rows to the batch; they decode from the next step.
 
+        A request whose every prompt token but the last has cached KV (``PrefixCache``)
+        joining a running batch needs no prefill: its rows take that KV, and its last
+        prompt token runs in the next step's decode pass with the other rows' tokens
+        (``_Row.pending``); its first token is drawn at the step after. A rollout that
+        resends a prompt, or a turn that extends the last one by a token, then costs the
+        batch no pass of its own.
+
         ``tickets`` name the requests in what ``step`` returns (default: their index here).
         If the prefill raises, the running batch is unchanged.
         """
@@ -310,25 +320,52 @@ class DecodeBatch:
         weights = [self.host.weights_key(r.adapter_id) if self.prefix else None for r in requests]
         hits = [self.prefix.lookup(w, r.prompt) if self.prefix and self._may_reuse(r) else (0, None)
                 for w, r in zip(weights, requests)]
-        cache = DynamicCache()
-        hidden, mask = _prefill(self.host, requests, cache, hits)  # (P, H), (P, L')
-        if self.prefix:
-            for k, (w, r) in enumerate(zip(weights, requests)):
-                self.prefix.store(w, r.prompt, _row_kv(cache, mask, k))
+        folded = [bool(self.rows) and 0 < n == len(r.prompt) - 1 for r, (n, _) in zip(requests, hits)]
+        prefilled = [k for k, f in enumerate(folded) if not f]
+        reused = [k for k, f in enumerate(folded) if f]
+        parts = []  # (requests' indices, cache, hidden states, mask): all made before any joins
+        if prefilled:
+            parts.append((prefilled, *self._prefilled([requests[k] for k in prefilled],
+                                                      [weights[k] for k in prefilled], [hits[k] for k in prefilled])))
+        if reused:
+            parts.append((reused, *self._reused([hits[k] for k in reused])))
         admitted = [
             _Admitted(ticket, r, _generator(r.config.seed, dev),
                       self.host.compute_logprobs(r.adapter_id, r.prompt) if r.prompt_logprobs else None,
                       w, n)
             for ticket, r, w, (n, _) in zip(tickets, requests, weights, hits)
         ]
-        rows = []
-        for a in admitted:
-            a.rows = [_Row(a) for _ in range(a.request.num_samples)]
-            a.decoding = len(a.rows)
-            rows.extend(a.rows)
-        index = torch.tensor([k for k, r in enumerate(requests) for _ in range(r.num_samples)], device=dev)
-        cache.batch_select_indices(index)  # share each prompt's prefill across its samples
-        hidden, mask = hidden[index], mask[index]
+        for ks, cache, hidden, mask in parts:
+            for k in ks:
+                a = admitted[k]
+                a.rows = [_Row(a, pending=a.request.prompt[-1] if folded[k] else None)
+                          for _ in range(a.request.num_samples)]
+                a.decoding = len(a.rows)
+            index = torch.tensor([i for i, k in enumerate(ks) for _ in range(requests[k].num_samples)], device=dev)
+            cache.batch_select_indices(index)  # share each prompt's prefill across its samples
+            self._join(cache, hidden[index], mask[index], [row for k in ks for row in admitted[k].rows])
+
+    def _prefilled(self, requests: list[SampleRequest], weights: list[Hashable],
+                   hits: list[tuple[int, KV | None]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """The prompts prefilled into a cache of their own (stored in the prefix cache):
+        (cache, hidden state of each prompt's last token, mask)."""
+        cache = DynamicCache()
+        hidden, mask = _prefill(self.host, requests, cache, hits)  # (P, H), (P, L')
+        if self.prefix:
+            for k, (w, r) in enumerate(zip(weights, requests)):
+                self.prefix.store(w, r.prompt, _row_kv(cache, mask, k))
+        return cache, hidden, mask
+
+    def _reused(self, hits: list[tuple[int, KV | None]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        """The reused KV of folded prompts in a cache of their own: (cache, placeholder
+        hidden states, mask); their last tokens are still to run."""
+        assert self.hidden is not None
+        cache = DynamicCache()
+        mask = _fill_reused(cache, hits, self.host.device)
+        return cache, self.hidden.new_zeros(len(hits), self.hidden.shape[1]), mask
+
+    def _join(self, cache: DynamicCache, hidden: torch.Tensor, mask: torch.Tensor, rows: list[_Row]) -> None:
+        """Add rows, with their cache, hidden states and mask, to the batch."""
         if not self.rows:
             self.cache, self.mask, self.hidden = cache, mask, hidden
         else:
@@ -342,23 +379,28 @@ class DecodeBatch:
         return self.exact_reuse or request.config.seed is None
 
     def step(self) -> list[tuple[Hashable, SampleResult]]:
-        """One token for every live row; returns the requests that finished, which leave."""
+        """One token for every live row; returns the requests that finished, which leave.
+
+        A row admitted with a pending prompt token draws nothing yet: the token runs in this
+        step's decode pass (``admit``)."""
         if not self.rows:
             return []
         assert self.mask is not None and self.hidden is not None
-        adapters = [row.owner.request.adapter_id for row in self.rows]
-        logits = _logits(self.host, self.hidden, adapters)  # (R, V) fp32
-        tokens = _draw(logits, self.rows)  # (R,)
-        logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]  # (R,)
-        # one device -> host copy per step, not one per row
-        new_tokens, new_logp = tokens.tolist(), logp.tolist()
-        keep, finished = [], []
+        drawn = self._draw([j for j, row in enumerate(self.rows) if row.pending is None])
+        keep, feed, finished = [], [], []
         for j, row in enumerate(self.rows):
-            row.tokens.append(new_tokens[j])
-            row.logprobs.append(new_logp[j])
+            if row.pending is not None:
+                keep.append(j)
+                feed.append(row.pending)
+                row.pending = None
+                continue
+            token, logprob = drawn[j]
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
             row.stop_reason = _stop_reason(self.host, row, row.owner.request.config, self.eos)
             if not row.stop_reason:
                 keep.append(j)
+                feed.append(token)
                 continue
             row.owner.decoding -= 1
             if self.prefix and row.owner.request.num_samples == 1:  # the next turn may extend it
@@ -370,15 +412,27 @@ class DecodeBatch:
             self._reset()
             return finished
         if len(keep) < len(self.rows):
-            sel = torch.tensor(keep, device=self.host.device)
-            self.cache.batch_select_indices(sel)
-            self.mask, tokens = self.mask[sel], tokens[sel]
+            self.cache.batch_select_indices(torch.tensor(keep, device=self.host.device))
+            self.mask = self.mask[keep]
             self.rows = [self.rows[j] for j in keep]
             self._trim_left()
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
-        self.hidden = _decode(self.host, tokens, self.mask, self.cache,
+        self.hidden = _decode(self.host, torch.tensor(feed, device=self.host.device), self.mask, self.cache,
                               [row.owner.request.adapter_id for row in self.rows])
         return finished
+
+    def _draw(self, ready: list[int]) -> dict[int, tuple[int, float]]:
+        """(token, its logprob) drawn for each of the rows ``ready`` (indices into ``rows``)."""
+        if not ready:
+            return {}
+        assert self.hidden is not None
+        rows = [self.rows[j] for j in ready]
+        hidden = self.hidden[_rows_index(ready, self.host.device)]
+        logits = _logits(self.host, hidden, [row.owner.request.adapter_id for row in rows])  # (R, V) fp32
+        tokens = _draw(logits, rows)  # (R,)
+        logp = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]  # (R,)
+        # one device -> host copy per step, not one per row
+        return dict(zip(ready, zip(tokens.tolist(), logp.tolist(), strict=True), strict=True))
 
     def _trim_left(self) -> None:
         """Drop the leading columns no live row uses (left by rows that left)."""
@@ -457,14 +511,20 @@ def _prefill(host: SamplingHost, requests: list[SampleRequest], cache: DynamicCa
     dev = host.device
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in suffixes], device=dev)
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in suffixes], device=dev)  # (P, L)
-    past = max(n for n, _ in hits)
-    if past:
-        mask = torch.cat([torch.tensor([[0] * (past - n) + [1] * n for n, _ in hits], device=dev), mask], dim=1)
-        _fill_cache(cache, [kv for _, kv in hits], past)
+    if any(n for n, _ in hits):
+        mask = torch.cat([_fill_reused(cache, hits, dev), mask], dim=1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
     with host.routing.use(lora.segments([r.adapter_id for r in requests])):
         out = _trunk(host, ids, mask, positions, cache)
     return out.last_hidden_state[:, -1], mask
+
+
+def _fill_reused(cache: DynamicCache, hits: list[tuple[int, KV | None]], device: torch.device) -> torch.Tensor:
+    """Put each row's reused KV (``hits[k]`` = (n, KV of n tokens) or (0, None)) into an empty
+    cache, left-padded to the longest; returns their mask (rows, longest)."""
+    width = max(n for n, _ in hits)
+    _fill_cache(cache, [kv for _, kv in hits], width)
+    return torch.tensor([[0] * (width - n) + [1] * n for n, _ in hits], device=device)
 
 
 def _fill_cache(cache: DynamicCache, kvs: list[KV | None], width: int) -> None:

@@ -619,6 +619,43 @@ def test_prompts_with_and_without_a_cached_prefix_share_one_admission(tiny_host,
                                    torch.tensor([s.logprobs for s in w.sequences]), atol=1e-5, rtol=1e-5)
 
 
+def test_a_prompt_cached_but_its_last_token_joins_the_next_decode_pass(tiny_host, fresh, monkeypatch):
+    """A prompt resent while a batch decodes has its KV cached but for its last token: it is
+    not prefilled, its last token runs in the next step's decode pass and its samples draw
+    from the step after. In the same admission a prompt with nothing cached, and one of a
+    single token, are prefilled. Each samples what it samples with no prefix cache."""
+    from trio_engine import sampler
+
+    cfg = lambda seed: SamplingConfig(max_tokens=4, temperature=1.0, seed=seed, ignore_eos=True)  # noqa: E731
+    adapted = fresh()
+    prompt = list(range(61, 72))  # more than the cache's min_shared tokens
+    running = SampleRequest(adapted, prompt, 1, cfg(1))
+    resent = SampleRequest(adapted, prompt, 2, cfg(2))
+    others = [SampleRequest(adapted, [81, 82, 83], 1, cfg(3)), SampleRequest(adapted, [91], 1, cfg(4))]
+    with torch.no_grad():
+        want = {t: without_prefix_cache(tiny_host, r) for t, r in
+                zip(["running", "resent", "new", "one token"], [running, resent, *others])}
+    prefilled = []
+    real_prefill = sampler._prefill
+    monkeypatch.setattr(sampler, "_prefill", lambda host, requests, *rest: (
+        prefilled.append([r.prompt for r in requests]) or real_prefill(host, requests, *rest)))
+    batch = tiny_host.decode_batch()
+    tiny_host.admit(batch, [running], ["running"])  # stores its prompt's KV
+    results = dict(tiny_host.decode_step(batch))
+    tiny_host.admit(batch, [resent, *others], ["resent", "new", "one token"])
+    assert prefilled == [[prompt], [r.prompt for r in others]]
+    tiny_host.decode_step(batch)
+    assert [len(row.tokens) for row in batch.rows] == [2, 1, 1, 0, 0]  # resent (last): its last prompt token ran
+    while len(batch):
+        results.update(tiny_host.decode_step(batch))
+    assert results["resent"].cached_prompt_tokens == len(prompt) - 1
+    for ticket, w in want.items():
+        got = results[ticket]
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in w.sequences], ticket
+        torch.testing.assert_close(torch.tensor([s.logprobs for s in got.sequences]),
+                                   torch.tensor([s.logprobs for s in w.sequences]), atol=1e-5, rtol=1e-5)
+
+
 def test_changed_weights_never_reuse_old_kv(tiny_host, new_id):
     aid = new_id("prefix")
     tiny_host.create_adapter(aid, LoraConfig(rank=2, seed=3))
