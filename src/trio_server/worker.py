@@ -138,6 +138,7 @@ class HostWorker:
                 if run_id is not None:
                     self.last_used[run_id] = time.monotonic()
             for item, result in zip(batch, results):
+                self._done([item])  # out of ``running`` before its caller can see it resolved
                 split = split_of(item)
                 if split is None:
                     self.resolve(item, result)
@@ -167,11 +168,15 @@ class HostWorker:
             for item in finished:
                 result = results[item.request_id]
                 log_outcome(item, result, (time.monotonic() - self.admitted_at.pop(item.request_id)) * 1000)
+                self._done([item])
                 self.resolve(item, result)
         finally:
             self._done(finished)
 
     def _done(self, items: list[WorkItem]) -> None:
+        """Take ``items`` out of ``running``: each before it is resolved, so no caller sees a
+        request done yet still running (a test waiting for its next request to run would
+        take the last one's id for it), and all again once their batch ends, whatever raised."""
         with self.cond:
             self.running.difference_update(i.request_id for i in items)
 

@@ -533,6 +533,30 @@ def test_the_worker_is_a_named_daemon_thread(tmp_path):
     core.close()
 
 
+def test_a_request_has_left_running_when_it_is_resolved(tmp_path):
+    """Batches and decode steps alike: whoever sees a request done never sees it running
+    (tests and the queue position wait on ``running`` naming the request that runs next)."""
+    core = ServiceCore(tmp_path, dtype="float32")
+    svc = trio.ServiceClient(transport=LocalTransport(core))
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    worker = core.workers[MODEL]
+    still_running: list[tuple[str, bool]] = []
+    real_resolve = worker.resolve
+
+    def spying_resolve(item, result):
+        with worker.cond:
+            still_running.append((item.op, item.request_id in worker.running))
+        real_resolve(item, result)
+
+    worker.resolve = spying_resolve
+    tc.forward([DATUM]).result()
+    params = trio.SamplingParams(max_tokens=3, temperature=1.0, seed=1)
+    svc.create_sampling_client(base_model=MODEL).sample(trio.ModelInput.from_ints([1, 5, 9]), 1, params).result()
+    assert {op for op, _ in still_running} >= {"forward", "sample"}
+    assert not any(running for _, running in still_running), still_running
+    core.close()
+
+
 def test_a_short_sample_joins_a_running_decode_and_finishes_first(tmp_path):
     """Continuous batching in the worker: a sample request submitted while a long one decodes
     joins its batch and is resolved as soon as it is done, and a training call queued meanwhile
