@@ -14,9 +14,9 @@ of repeating keys and values. SDPA's bf16 decode was slower still: 4-14x the mat
 time for 8-40 rows.
 
 Numerics: the scores come out of a bf16 matmul (fp32 accumulation, scaled and rounded to
-bf16, as transformers' eager attention rounds them), then a softmax that accumulates in
-fp32 and rounds its weights to bf16, as eager attention does; the flash kernel keeps the
-scores in fp32. The bf16 sampler-vs-trainer bound in the sampler tests covers the difference.
+bf16, as transformers' eager attention rounds them), then softmax in fp32, its weights
+rounded to bf16 as eager attention does; the flash kernel keeps the scores in fp32. The
+bf16 sampler-vs-trainer bound in the sampler tests covers the difference.
 An unpadded prefill of whole prompts takes the same path as the trainer's pass; prefills
 after a cached prefix and padded prefills keep SDPA. In fp32 SDPA is as fast or faster,
 and every fp32 call stays with it.
@@ -34,11 +34,10 @@ from transformers.masking_utils import sdpa_mask
 NAME = "trio_sdpa"
 
 # Scores (batch x query heads x length^2) above which SDPA runs instead: its flash kernel
-# keeps no score matrix, while this path keeps the bf16 softmax for the backward, 2 bytes a
-# score per layer: 24 MiB a layer at this bound (4 x 512 tokens of a 9-head model are 9.4M
-# scores). Forward and backward of one layer took 33 ms here against SDPA's 45 ms for
-# 4 x 512 tokens, 73 against 92 for 8 x 512, but 276 against 168 for 2 x 2048.
-GROUPED_MAX_SCORES = 12 << 20
+# keeps no score matrix, while this path keeps 6 bytes a score per layer for the backward
+# (the fp32 softmax and its bf16 copy): 24 MiB a layer at this bound; 8 x 128 tokens of a
+# 9-head model are 1.2M scores, 7 MiB a layer, 210 MiB over 30 layers.
+GROUPED_MAX_SCORES = 1 << 22
 
 
 def install(model: Any) -> None:
@@ -103,12 +102,15 @@ def grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
     so the heads of one group are consecutive and stack into one (group x T, D) matrix per
     key/value head: one matmul per group, and keys and values are never repeated.
 
-    Three kernels each way: ``baddbmm`` scales the product and adds the mask (0 or -inf)
-    in its accumulator, softmax reads the scores in the query's dtype and accumulates in
-    fp32 (the CPU kernel does for bf16), then the weighted sum. Casting the scores to
-    fp32, scaling and masking them as separate steps took 3.2 instead of 2.0 ms a layer,
-    forward and backward, for 8 x 128 tokens of the bundled model; the gradients' error
-    against fp64 stayed the same (0.3-0.5% of their largest value).
+    ``baddbmm`` scales the product and adds the mask (0 or -inf) in its accumulator, then
+    softmax reads the bf16 scores and writes fp32 weights, rounded to bf16 for the
+    weighted sum. Casting the scores to fp32, scaling and masking them as separate steps
+    took 3.2 instead of 2.5 ms a layer, forward and backward, for 8 x 128 tokens of the
+    bundled model, with the same gradient error against fp64. A softmax writing bf16
+    itself was faster still (2.0 ms) but rounds a row's weights differently with the
+    number of hidden keys around it (the CPU kernel's vector tails), so the sampler's
+    left-padded decode rows and the trainer's causal rows drew apart: 0.25 nats at most
+    on the bundled model in bf16, against 0 with an fp32 softmax.
     """
     batch, heads, length, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
@@ -117,7 +119,7 @@ def grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
     keys_t = key.reshape(batch * kv_heads, keys, dim).transpose(1, 2)
     scores = torch.baddbmm(_mask_bias(hidden, query.dtype, batch, kv_heads, group, length, keys),
                            stacked, keys_t, alpha=scale)  # (B x Hkv, group x T, S)
-    weights = scores.softmax(-1)
+    weights = scores.softmax(-1, dtype=torch.float32).to(value.dtype)
     return torch.bmm(weights, value.reshape(batch * kv_heads, keys, dim)).view(batch, heads, length, dim)
 
 
