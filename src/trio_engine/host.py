@@ -513,7 +513,8 @@ class ModelHost:
 
     def admit(self, batch: sampler.DecodeBatch, requests: list[sampler.SampleRequest],
               tickets: list[Hashable]) -> None:
-        """Validate ``requests`` (all, before anything runs), then prefill them into ``batch``."""
+        """Validate ``requests`` (all, before anything runs), then admit them into ``batch``
+        (``DecodeBatch.admit``: prefilled, or onto cached KV)."""
         for k, req in enumerate(requests):
             self.validate_sample(req, k)
         with self.lock, torch.no_grad():

@@ -11,7 +11,7 @@ finished request leaves at once; ``generate`` admits everything and steps to the
 Sampling is a pure chain over fp32 logits (temperature -> top-k -> top-p -> draw) with
 one seeded ``torch.Generator`` per request, so a seed gives the same output whatever
 else shares the batch (on one kind of device: CPU and CUDA generators draw different
-streams). The logprob returned for a token is log p(token) under the model
+streams; and in fp32: see ``DecodeBatch``'s "Seeds" for bf16). The logprob returned for a token is log p(token) under the model
 (temperature 1), from the same unembedding + fp32 log-softmax as the trainer's
 ``ModelHost.token_logprobs``, so importance ratios start at 1.
 
@@ -245,7 +245,7 @@ class DecodeBatch:
 
     ``admit`` prefills new prompts (each prompt once, its ``num_samples`` rows sharing that
     prefill) into a cache of their own, then merges it into the running one; ``step``
-    draws one token for every live row and returns the requests whose rows all finished,
+    draws one token for every live row (but those with a prompt token still to run) and returns the requests whose rows all finished,
     which leave the batch at once. Between steps the state is, for every live row: its KV
     cache up to and including its newest token, and the hidden state of that token; or,
     for a row admitted onto cached KV of its whole prompt but the last token, that KV and
@@ -262,7 +262,11 @@ class DecodeBatch:
     the batch and whenever it was admitted. In bf16/fp16 KV reused from the prefix cache
     rounds differently from a prefill of the whole prompt (enough to change sampled
     tokens), so there a seeded request reuses none and gets the same tokens whatever was
-    sampled before; in fp32 the two agree and seeded requests reuse it too.
+    sampled before; in fp32 the two agree and seeded requests reuse it too. In bf16 the
+    draws stay the same but the logits they are made from can round differently with the
+    rows around them: on the bundled model a seeded request's tokens changed when others
+    joined its running batch (the tiny test models show no difference; the cause is not
+    pinned down yet). Bit-for-bit reproducible seeds need fp32.
 
     Requests must be validated (``validate_request``) before ``admit``; callers hold the
     host's lock and ``torch.no_grad`` (``ModelHost.admit`` / ``ModelHost.decode_step``).
@@ -287,7 +291,9 @@ class DecodeBatch:
 
     @property
     def tickets(self) -> list[Hashable]:
-        """The requests still decoding, in admission order."""
+        """The requests still decoding, in the order of their rows: admission order, except
+        that the requests of one admission that take cached KV without a prefill come after
+        those prefilled (``admit``)."""
         return list(dict.fromkeys(row.owner.ticket for row in self.rows))
 
     @property
@@ -382,7 +388,8 @@ class DecodeBatch:
         """One token for every live row; returns the requests that finished, which leave.
 
         A row admitted with a pending prompt token draws nothing yet: the token runs in this
-        step's decode pass (``admit``)."""
+        step's decode pass (``admit``). If a step raises, the batch is left part-way:
+        discard it (the service's engine starts a new one)."""
         if not self.rows:
             return []
         assert self.mask is not None and self.hidden is not None
