@@ -622,14 +622,15 @@ def test_prompts_with_and_without_a_cached_prefix_share_one_admission(tiny_host,
 def test_a_prompt_cached_but_its_last_token_joins_the_next_decode_pass(tiny_host, fresh, monkeypatch):
     """A prompt resent while a batch decodes has its KV cached but for its last token: it is
     not prefilled, its last token runs in the next step's decode pass and its samples draw
-    from the step after. In the same admission a prompt with nothing cached, and one of a
-    single token, are prefilled. Each samples what it samples with no prefix cache."""
+    from the step after, while the running request finishes in that step. In the same
+    admission a prompt with nothing cached, and one of a single token, are prefilled. Each
+    samples what it samples with no prefix cache."""
     from trio_engine import sampler
 
     cfg = lambda seed: SamplingConfig(max_tokens=4, temperature=1.0, seed=seed, ignore_eos=True)  # noqa: E731
     adapted = fresh()
     prompt = list(range(61, 72))  # more than the cache's min_shared tokens
-    running = SampleRequest(adapted, prompt, 1, cfg(1))
+    running = SampleRequest(adapted, prompt, 1, SamplingConfig(max_tokens=2, temperature=1.0, seed=1, ignore_eos=True))
     resent = SampleRequest(adapted, prompt, 2, cfg(2))
     others = [SampleRequest(adapted, [81, 82, 83], 1, cfg(3)), SampleRequest(adapted, [91], 1, cfg(4))]
     with torch.no_grad():
@@ -644,8 +645,9 @@ def test_a_prompt_cached_but_its_last_token_joins_the_next_decode_pass(tiny_host
     results = dict(tiny_host.decode_step(batch))
     tiny_host.admit(batch, [resent, *others], ["resent", "new", "one token"])
     assert prefilled == [[prompt], [r.prompt for r in others]]
-    tiny_host.decode_step(batch)
-    assert [len(row.tokens) for row in batch.rows] == [2, 1, 1, 0, 0]  # resent (last): its last prompt token ran
+    results.update(tiny_host.decode_step(batch))  # the running request finishes and leaves meanwhile
+    assert "running" in results
+    assert [len(row.tokens) for row in batch.rows] == [1, 1, 0, 0]  # resent (last): its last prompt token ran
     while len(batch):
         results.update(tiny_host.decode_step(batch))
     assert results["resent"].cached_prompt_tokens == len(prompt) - 1
