@@ -11,9 +11,9 @@ finished request leaves at once; ``generate`` admits everything and steps to the
 Sampling is a pure chain over fp32 logits (temperature -> top-k -> top-p -> draw) with
 one seeded ``torch.Generator`` per request, so a seed gives the same output whatever
 else shares the batch (on one kind of device: CPU and CUDA generators draw different
-streams; and in fp32: see ``DecodeBatch``'s "Seeds" for bf16). The logprob returned for a token is log p(token) under the model
-(temperature 1), from the same unembedding + fp32 log-softmax as the trainer's
-``ModelHost.token_logprobs``, so importance ratios start at 1.
+streams; and in fp32: see ``DecodeBatch``'s "Seeds" for bf16). The logprob returned for a
+token is log p(token) under the model (temperature 1), from the same unembedding + fp32
+log-softmax as the trainer's ``ModelHost.token_logprobs``, so importance ratios start at 1.
 
 The sampler needs only a few things of a host, named by the ``SamplingHost`` protocol
 (``ModelHost`` satisfies it), so this module does not import the host. Every tensor is
@@ -245,11 +245,11 @@ class DecodeBatch:
 
     ``admit`` prefills new prompts (each prompt once, its ``num_samples`` rows sharing that
     prefill) into a cache of their own, then merges it into the running one; ``step``
-    draws one token for every live row (but those with a prompt token still to run) and returns the requests whose rows all finished,
-    which leave the batch at once. Between steps the state is, for every live row: its KV
-    cache up to and including its newest token, and the hidden state of that token; or,
-    for a row admitted onto cached KV of its whole prompt but the last token, that KV and
-    the token still to run (``_Row.pending``).
+    draws one token for every live row (but those with a prompt token still to run) and
+    returns the requests whose rows all finished, which leave the batch at once. Between
+    steps the state is, for every live row: its KV cache up to and including its newest
+    token, and the hidden state of that token; or, for a row admitted onto cached KV of its
+    whole prompt but the last token, that KV and the token still to run (``_Row.pending``).
 
     Rows of different lengths share one cache by left padding: ``mask`` (R, L) marks the
     real positions, a row's position ids count its real tokens only, so padding changes
