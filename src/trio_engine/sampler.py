@@ -393,7 +393,7 @@ class DecodeBatch:
         if not self.rows:
             return []
         assert self.mask is not None and self.hidden is not None
-        drawn = self._draw([j for j, row in enumerate(self.rows) if row.pending is None])
+        drawn = self._draw_ready([j for j, row in enumerate(self.rows) if row.pending is None])
         keep, feed, finished = [], [], []
         for j, row in enumerate(self.rows):
             if row.pending is not None:
@@ -428,7 +428,7 @@ class DecodeBatch:
                               [row.owner.request.adapter_id for row in self.rows])
         return finished
 
-    def _draw(self, ready: list[int]) -> dict[int, tuple[int, float]]:
+    def _draw_ready(self, ready: list[int]) -> dict[int, tuple[int, float]]:
         """(token, its logprob) drawn for each of the rows ``ready`` (indices into ``rows``)."""
         if not ready:
             return {}
@@ -530,17 +530,12 @@ def _fill_reused(cache: DynamicCache, hits: list[tuple[int, KV | None]], device:
     """Put each row's reused KV (``hits[k]`` = (n, KV of n tokens) or (0, None)) into an empty
     cache, left-padded to the longest; returns their mask (rows, longest)."""
     width = max(n for n, _ in hits)
-    _fill_cache(cache, [kv for _, kv in hits], width)
-    return torch.tensor([[0] * (width - n) + [1] * n for n, _ in hits], device=device)
-
-
-def _fill_cache(cache: DynamicCache, kvs: list[KV | None], width: int) -> None:
-    """Put each row's reused KV (or nothing) into an empty cache, left-padded to ``width``."""
-    template = next(kv for kv in kvs if kv is not None)
+    template = next(kv for _, kv in hits if kv is not None)
     for layer, (k0, v0) in enumerate(template):
-        keys = torch.cat([_pad_left((kv[layer][0] if kv else k0[:, :0])[None], width) for kv in kvs])
-        values = torch.cat([_pad_left((kv[layer][1] if kv else v0[:, :0])[None], width) for kv in kvs])
+        keys = torch.cat([_pad_left((kv[layer][0] if kv else k0[:, :0])[None], width) for _, kv in hits])
+        values = torch.cat([_pad_left((kv[layer][1] if kv else v0[:, :0])[None], width) for _, kv in hits])
         cache.update(keys, values, layer)
+    return torch.tensor([[0] * (width - n) + [1] * n for n, _ in hits], device=device)
 
 
 def _row_kv(cache: DynamicCache, mask: torch.Tensor, row: int) -> KV:
