@@ -263,10 +263,14 @@ class DecodeBatch:
     rounds differently from a prefill of the whole prompt (enough to change sampled
     tokens), so there a seeded request reuses none and gets the same tokens whatever was
     sampled before; in fp32 the two agree and seeded requests reuse it too. In bf16 the
-    draws stay the same but the logits they are made from can round differently with the
-    rows around them: on the bundled model a seeded request's tokens changed when others
-    joined its running batch (the tiny test models show no difference; the cause is not
-    pinned down yet). Bit-for-bit reproducible seeds need fp32.
+    draws stay the same but the logits can round differently with the prompts prefilled in
+    one pass with the request's: a padded prefill attends by SDPA's kernel where a lone
+    prompt takes ``attention.grouped``, and bf16 matrix products round a row differently
+    with the number of rows in the product (one element of an MLP projection, 60 rows
+    against 26); on the bundled model its logprobs moved by up to 0.16 nats. Rows joining
+    its running batch later left its numbers bit for bit (1-41 rows). Taking the matmuls
+    for padded prefills too brought that to 0.03 nats, not 0, and was no faster: left out.
+    Bit-for-bit reproducible seeds need fp32.
 
     Requests must be validated (``validate_request``) before ``admit``; callers hold the
     host's lock and ``torch.no_grad`` (``ModelHost.admit`` / ``ModelHost.decode_step``).
