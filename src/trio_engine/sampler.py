@@ -610,8 +610,13 @@ def _rows_index(js: list[int], device: torch.device) -> slice | torch.Tensor:
 
 
 def filtered_probs(logits: torch.Tensor, c: SamplingConfig) -> torch.Tensor:
-    """(R, V) fp32 logits -> (R, V) probabilities after temperature (> 0), top-k and top-p."""
-    logits = logits / c.temperature
+    """(R, V) fp32 logits -> (R, V) probabilities after temperature (> 0), top-k and top-p.
+
+    The logits are shifted to a maximum of 0 before the temperature divides them, so a tiny
+    temperature sends them to -inf, not the likeliest to +inf (and the softmax to NaN); one
+    below fp32's smallest normal number divides as that number (not as 0, into 0 / 0)."""
+    shifted = logits - logits.max(-1, keepdim=True).values
+    logits = shifted / max(c.temperature, torch.finfo(torch.float32).tiny)
     if c.top_k > 0 and c.top_k < logits.shape[-1]:
         kth = logits.topk(c.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -657,8 +662,10 @@ def _stop_reason(host: SamplingHost, row: _Row, c: SamplingConfig, eos: set[int]
     if (last in eos and not c.ignore_eos) or last in c.stop_token_ids:
         return "stop"
     if c.stop_strings:
-        # decode a tail long enough to hold any stop string (a token is >= 1 character)
-        tail = row.tokens[-(max(map(len, c.stop_strings)) + 4) :]
+        # decode a tail long enough to hold any stop string: a token holds at least one byte
+        # of UTF-8 (an emoji can take three tokens), and a few more for a string's first
+        # character begun in an earlier token
+        tail = row.tokens[-(max(len(s.encode()) for s in c.stop_strings) + 4) :]
         text = host.tokenizer.decode(tail)
         if any(s in text for s in c.stop_strings):
             return "stop"

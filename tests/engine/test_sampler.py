@@ -66,6 +66,32 @@ def test_a_stop_string_spanning_one_character_tokens_stops_at_its_last(tiny_host
     assert (seq.tokens, seq.stop_reason) == (digits, "stop")
 
 
+def test_a_stop_string_of_characters_taking_several_tokens_each_stops_at_its_last(tiny_host, monkeypatch):
+    """Three emoji of three byte-level tokens each: a stop string of 3 characters that the
+    last 3 + 4 tokens do not hold."""
+    from trio_engine import sampler
+
+    tokens = tiny_host.tokenizer.encode("ok 🎉🎉🎉", add_special_tokens=False)
+    assert "🎉🎉🎉" not in tiny_host.tokenizer.decode(tokens[-7:])  # the premise
+    drawn = iter(tokens)
+    monkeypatch.setattr(sampler, "_draw", lambda logits, rows: torch.tensor([next(drawn)] * len(rows)))
+    config = SamplingConfig(max_tokens=len(tokens) + 4, stop_strings=("🎉🎉🎉",), ignore_eos=True)
+    seq = tiny_host.sample([SampleRequest(None, PROMPTS[0], 1, config)])[0].sequences[0]
+    assert (seq.tokens, seq.stop_reason) == (tokens, "stop")
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-40, 5e-324])
+def test_a_tiny_temperature_samples_the_likeliest_token(temperature):
+    """Logits over a tiny temperature overflow fp32; shifted to a maximum of 0 first, they
+    give the argmax all the mass instead of NaNs."""
+    from trio_engine.sampler import filtered_probs
+
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5], [0.5, -1.0, 0.25, 0.0]])
+    for config in (SamplingConfig(temperature=temperature), SamplingConfig(temperature=temperature, top_p=0.5),
+                   SamplingConfig(temperature=temperature, top_k=2)):
+        assert torch.equal(filtered_probs(logits, config), torch.eye(4)[[1, 0]]), config
+
+
 @pytest.mark.parametrize("generation_eos, tokenizer_eos, want", [
     (None, None, set()), (5, None, {5}), ([5, 7], None, {5, 7}), (None, 3, {3}), ([5, 7], 3, {3, 5, 7}),
     ("no config", 3, {3}),
