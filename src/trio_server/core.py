@@ -445,17 +445,26 @@ class ServiceCore:
             used = sum(r["size_bytes"] or 0 for r in self.store.select(checkpoints_table, user_id=item.user_id))
             _quota("max_checkpoint_bytes_per_user", "checkpoint bytes", used, lim.max_checkpoint_bytes_per_user)
 
-    def _check_capacity(self, user_id: str) -> None:
-        """Called under ``self.lock``, before anything changes: 429 when the user's or the
-        service's pending requests are at their bound. (A retry of an accepted request never
-        gets here: its idempotency key answered first.)"""
+    def _check_capacity(self, user_id: str, count: int = 1) -> None:
+        """Called under ``self.lock``, before anything changes: 429 when ``count`` more of the
+        user's or the service's pending requests would pass their bound. (A retry of an
+        accepted request never gets here: its idempotency key answered first.)"""
         lim = self.limits
         mine, total = self.pending_by_user[user_id], len(self.unfinished)
-        if lim.max_pending_per_user is not None and mine >= lim.max_pending_per_user:
+        if lim.max_pending_per_user is not None and mine + count > lim.max_pending_per_user:
             raise over_capacity("max_pending_per_user", "requests of this user", mine, lim.max_pending_per_user,
-                                lim.retry_after_seconds)
-        if lim.max_pending_total is not None and total >= lim.max_pending_total:
-            raise over_capacity("max_pending_total", "requests", total, lim.max_pending_total, lim.retry_after_seconds)
+                                lim.retry_after_seconds, count)
+        if lim.max_pending_total is not None and total + count > lim.max_pending_total:
+            raise over_capacity("max_pending_total", "requests", total, lim.max_pending_total, lim.retry_after_seconds,
+                                count)
+
+    def check_room(self, user_id: str, count: int) -> None:
+        """For a front door about to submit ``count`` requests that answer one call: a 429
+        now if they would not all fit in the pending bounds, rather than some accepted (and
+        run, and billed) and the rest refused. Not a reservation: a request of the same
+        user submitted in between can still take a place."""
+        with self.lock:
+            self._check_capacity(user_id, count)
 
     def _count_pending(self, request_id: str, user_id: str) -> None:
         self.unfinished.add(request_id)

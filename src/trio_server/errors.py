@@ -20,9 +20,12 @@ class ServiceError(Exception):
         self.retry_after = retry_after  # seconds; front doors send it as Retry-After (429)
 
 
-def over_capacity(name: str, what: str, pending: int, limit: int, retry_after: float) -> ServiceError:
-    """A 429: ``limit`` requests are already pending; retrying later (same key) will pass."""
-    return ServiceError("capacity", f"capacity {name}: {pending} {what} pending, the limit is {limit}; "
+def over_capacity(name: str, what: str, pending: int, limit: int, retry_after: float,
+                  asked: int = 1) -> ServiceError:
+    """A 429: ``asked`` more requests would pass the ``limit`` on pending ones; retrying
+    later (same key) will pass."""
+    needs = f" and this call needs {asked} more" if asked > 1 else ""
+    return ServiceError("capacity", f"capacity {name}: {pending} {what} pending{needs}, the limit is {limit}; "
                         f"retry in {retry_after:g} s", 429, retry_after)
 
 

@@ -15,7 +15,7 @@ no second inference path. Pure translation lives in ``openai_wire``.
   checkpoint (its ``tinker://`` twin too). Another user's checkpoint is a 404, exactly like
   an unknown one. The door keeps one core sampler per (user, model), in a bounded LRU map;
   a checkpoint deleted meanwhile answers 404 and leaves the map.
-- Parameters as OpenAI defines them: ``temperature`` (default 1), ``top_p``, ``n`` (the
+- Parameters as OpenAI defines them: ``temperature`` (default 1), ``top_p`` (0: greedy), ``n`` (the
   samples share one prompt prefill), ``stop``, ``seed``, ``max_tokens`` (chat:
   ``max_completion_tokens`` wins). Without one: 16 for completions (OpenAI's default), and
   ``DEFAULT_CHAT_MAX_TOKENS`` for chats; always within the model's context and the
@@ -25,15 +25,19 @@ no second inference path. Pure translation lives in ``openai_wire``.
 - Logprobs: chat ``logprobs: true``, completions ``logprobs: 0`` give each returned token's
   log p under the model at temperature 1 (the trainer's numerics). TRIO has no top-k
   alternatives: ``top_logprobs`` > 0 and completions ``logprobs`` > 0 are refused (400).
-  ``echo``, ``suffix``, ``tools``, ``response_format``, penalties and ``logit_bias`` are
-  accepted at their neutral values only; unknown fields are ignored.
+  ``echo``, ``suffix``, ``tools``, ``functions``, ``response_format``, ``audio``,
+  ``prediction``, penalties and ``logit_bias`` are accepted at their neutral values only
+  (else a 400: never silently dropped); unknown fields are ignored.
+- Several completion prompts are one core request each: all must fit the user's pending
+  bounds when the call arrives (else a 429 and none runs; more prompts than
+  ``max_pending_per_user`` is a 400).
 - ``usage.completion_tokens`` counts every sampled token, an end-of-turn token included
   (it is not in the text or the logprobs). A stop sequence is not returned.
 - Streaming (``stream: true``): ``data: {chunk}`` events, one per token (a character split
   across tokens comes whole, with the token that completes it), then ``data: [DONE]``;
-  ``stream_options.include_usage`` adds a last chunk with the usage. The engine's sampler
-  runs a batch to completion, so the chunks are sent once decoding has ended, not as the
-  tokens are drawn; true incremental streaming needs continuous batching (a separate issue).
+  ``stream_options.include_usage`` adds a last chunk with the usage. The core answers a
+  sample request once its sequences have ended, so the chunks are sent then, not as the
+  tokens are drawn.
 - Keys: ``Authorization: Bearer <TRIO key>`` (or ``X-API-Key``), the keys of the rest of the
   API; ``--no-auth`` accepts any. Errors are OpenAI's ``{"error": {message, type, param,
   code}}``: 400 ``invalid_request_error`` naming ``param``, 401, 404 ``model_not_found``,
@@ -198,6 +202,18 @@ class OpenAIDoor:
                 self.samplers.pop((user_id, to_trio_path(model)), None)
             raise from_service(exc, model) from None
 
+    def _check_room(self, user_id: str, prompts: int) -> None:
+        """Each prompt is a core request: all of them fit the pending bounds, or none is sent
+        (a 400 if they never could: retrying would not help)."""
+        limit = self.core.limits.max_pending_per_user
+        if limit is not None and prompts > limit:
+            raise w.bad_param("prompt", f"prompt: {prompts} prompts in one call, more than the {limit} requests "
+                              "a user may have pending here; send them in smaller calls")
+        try:
+            self.core.check_room(user_id, prompts)
+        except ServiceError as exc:
+            raise from_service(exc) from None
+
     async def _result(self, user_id: str, request_id: str) -> Any:
         while True:
             outcome = await self.core.retrieve(user_id, request_id, POLL_SECONDS)
@@ -232,6 +248,7 @@ class OpenAIDoor:
         context = await self.context(served.base_model)
         news = [w.max_tokens(body.max_tokens, "max_tokens", len(p), context, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
                 for p in prompts]
+        self._check_room(user_id, len(prompts))
         runs = [self.sample(user_id, body.model, served, p, body.choices, w.sampling_params(body, new, body.stops))
                 for p, new in zip(prompts, news)]
         seqs = [s for each in await asyncio.gather(*runs) for s in each]  # prompt i's are choices i*n..
@@ -306,5 +323,12 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         if not found:
             raise w.model_not_found(model)
         return found[0]
+
+    @r.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def unknown(rest: str, request: Request) -> Response:
+        """Any other route (embeddings, responses, deleting a model...): a 404 in OpenAI's
+        shape, which its clients parse, not the app's ``{"detail": ...}``."""
+        raise w.OpenAIError(404, f"Invalid URL ({request.method} /v1/{rest}): not implemented by TRIO",
+                            code="unknown_url")
 
     return r

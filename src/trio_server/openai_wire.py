@@ -69,7 +69,7 @@ class Common(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)  # None: 1
-    top_p: float | None = Field(None, gt=0, le=1)  # None: 1
+    top_p: float | None = Field(None, ge=0, le=1)  # None: 1; 0: only the likeliest token (greedy)
     n: int | None = Field(None, ge=1)  # None: 1
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
@@ -100,7 +100,12 @@ class ChatBody(Common):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: Any = None
     tool_choice: Any = None
+    functions: Any = None  # tool calling's older form
+    function_call: Any = None
     response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
 
 
 class CompletionBody(Common):
@@ -118,6 +123,11 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logit_bias": (lambda v: not v, "not implemented; leave it out"),
     "tools": (lambda v: not v, "tool calling is not implemented; leave it out"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not implemented; leave it out"),
+    "functions": (lambda v: not v, "function calling is not implemented; leave it out"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "function calling is not implemented; leave it out"),
+    "modalities": (lambda v: v in (None, ["text"]), "only text output is implemented"),
+    "audio": (lambda v: v is None, "audio output is not implemented; leave it out"),
+    "prediction": (lambda v: v is None, "predicted outputs are not implemented; leave it out"),
     "response_format": (lambda v: v in (None, {"type": "text"}), "only {'type': 'text'} is implemented"),
     "echo": (lambda v: not v, "echo is not implemented; leave it out"),
     "suffix": (lambda v: not v, "suffix (insertion) is not implemented; leave it out"),
@@ -129,6 +139,8 @@ def parse(model: type[Common], data: Any) -> Any:
     """A validated body; a bad field is a 400 naming it (``messages[0].content``)."""
     if not isinstance(data, dict):
         raise bad_param(None, "the request body must be a JSON object")
+    if (where := _not_unicode(data)) is not None:
+        raise bad_param(where, f"{where}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
     try:
         body = model.model_validate(data)
     except pydantic.ValidationError as exc:
@@ -137,6 +149,23 @@ def parse(model: type[Common], data: Any) -> Any:
         raise bad_param(param, f"{param}: {error['msg']}, got {_short(error.get('input'))}") from None
     _check_neutral(body)
     return body
+
+
+def _not_unicode(value: Any, where: str = "") -> str | None:
+    """Where in a JSON value a string holds a lone surrogate (JSON's ``"\\ud800"`` parses to
+    one; no tokenizer takes it), as ``messages[0].content``; None if nowhere."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _not_unicode(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key)
+        if found is not None:
+            return found
+    return None
 
 
 def _param(loc: Iterable[Any]) -> str:
@@ -192,6 +221,8 @@ def sampling_params(body: Common, max_new: int, stops: list[str]) -> dict:
     """The core's SamplingParams. ``stops`` None (not []): EOS must still end a sequence."""
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
+    if top_p == 0:  # OpenAI allows it: the smallest set of tokens holding mass 0 is the likeliest one
+        temperature, top_p = 0.0, 1.0
     return {"max_tokens": max_new, "temperature": temperature, "top_p": top_p, "seed": body.seed,
             "stop": stops or None}
 

@@ -396,7 +396,12 @@ CHAT_REFUSED = [
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
     ({"temperature": 2.5}, "temperature"),
-    ({"top_p": 0}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"n": 0}, "n"),
     ({"n": 1000}, "n"),
     ({"stop": ""}, "stop"),
@@ -433,8 +438,41 @@ def test_a_bad_or_unimplemented_param_is_400_naming_it(alice, endpoint, change, 
     assert param.split("[")[0] in caught.value.message
 
 
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
+    ({"messages": HELLO, "stop": ["ok", "\udfff"]}, "stop[1]"),
+])
+def test_a_lone_surrogate_is_400_naming_where_not_a_server_error(server, alice, body, param):
+    """JSON's "\\ud800" parses to a string no tokenizer takes (the openai client cannot
+    even send one; raw HTTP can)."""
+    r = httpx.post(server.url + "/openai/v1/chat/completions", content=json.dumps({"model": TINY, "max_tokens": 2} | body),
+                   headers={"Authorization": f"Bearer {alice.key}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_top_p_zero_is_greedy(alice):
+    """OpenAI allows top_p = 0: the likeliest token alone, whatever the temperature and seed."""
+    greedy = alice.client.chat.completions.create(model=TINY, messages=HELLO, max_tokens=8, temperature=0)
+    for seed in (1, 2):
+        top_p_0 = alice.client.chat.completions.create(model=TINY, messages=HELLO, max_tokens=8, temperature=1.5,
+                                                       top_p=0, seed=seed)
+        assert top_p_0.choices[0].message.content == greedy.choices[0].message.content
+
+
+@pytest.mark.parametrize("call", ["embeddings", "delete model"])
+def test_an_unimplemented_route_is_404_in_openais_shape(alice, call):
+    with pytest.raises(openai.NotFoundError) as caught:
+        if call == "embeddings":
+            alice.client.embeddings.create(model=TINY, input="hello")
+        else:
+            alice.client.models.delete(TINY)
+    assert (caught.value.type, caught.value.code) == ("invalid_request_error", "unknown_url")
+    assert "not implemented by TRIO" in caught.value.message
+
+
 def test_neutral_values_and_unknown_fields_are_accepted(alice):
     neutral = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [], "tool_choice": "none",
+               "functions": [], "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
                "response_format": {"type": "text"}, "top_logprobs": 0, "user": "u-1", "some_future_field": {"x": 1}}
     reply = alice.client.chat.completions.create(model=TINY, messages=HELLO, max_tokens=2, extra_body=neutral)
     assert reply.usage.completion_tokens == 2
