@@ -62,6 +62,15 @@ class RestClient:
     async def delete_checkpoint_async(self, path: str) -> None:
         await on_background(self._transport.delete_checkpoint(path))
 
+    async def set_checkpoint_ttl_async(self, path: str, ttl_seconds: int | None) -> t.Checkpoint:
+        """The service removes the checkpoint ``ttl_seconds`` from now (at most ten years);
+        None keeps it until deleted. Returns it with its new ``expires_at``.
+
+        Raises:
+            NotFoundError: no such checkpoint of yours (or it has expired already).
+        """
+        return await on_background(self._transport.set_checkpoint_ttl(path, ttl_seconds))
+
     async def download_checkpoint_archive_async(self, path: str, dest: str | Path = ".", progress: bool = True) -> Path:
         """Download a checkpoint as a .tar into ``dest`` (a folder or a file name).
 
@@ -77,4 +86,5 @@ class RestClient:
     list_checkpoints = sync_twin(list_checkpoints_async)
     list_user_checkpoints = sync_twin(list_user_checkpoints_async)
     delete_checkpoint = sync_twin(delete_checkpoint_async)
+    set_checkpoint_ttl = sync_twin(set_checkpoint_ttl_async)
     download_checkpoint_archive = sync_twin(download_checkpoint_archive_async)

@@ -169,15 +169,20 @@ class TrainingClient:
         return self._submit("optim_step", t.OptimStepRequest, t.OptimStepResponse,
                             adam_params=adam_params or t.AdamParams())
 
-    def save_state(self, name: str, overwrite: bool = False) -> APIFuture[t.SaveWeightsResponse]:
+    def save_state(self, name: str, overwrite: bool = False, ttl_seconds: int | None = None,
+                   user_metadata: dict[str, str] | None = None) -> APIFuture[t.SaveWeightsResponse]:
         """Save adapter + optimizer state; ``.path`` is ``trio://<run>/weights/<name>``.
+
+        ``ttl_seconds``: the service removes the checkpoint that long after the save (None:
+        kept until deleted; ``RestClient.set_checkpoint_ttl`` changes it). ``user_metadata``
+        is kept with it and listed with it.
 
         Raises:
             ValidationError: (status 409) the run already has a checkpoint ``name`` and
                 ``overwrite`` is False; nothing is written.
         """
         return self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsResponse, name=name, kind="weights",
-                            overwrite=overwrite)
+                            overwrite=overwrite, ttl_seconds=ttl_seconds, user_metadata=user_metadata)
 
     def load_state(self, path: str) -> APIFuture[t.LoadWeightsResponse]:
         """Load adapter weights from a training-state checkpoint; optimizer state starts fresh."""
@@ -187,15 +192,19 @@ class TrainingClient:
         """Load adapter weights and the optimizer's moments and step."""
         return self._submit("load_weights", t.LoadWeightsRequest, t.LoadWeightsResponse, path=path, with_optimizer=True)
 
-    def save_weights_for_sampler(self, name: str, overwrite: bool = False) -> APIFuture[t.SaveWeightsForSamplerResponse]:
+    def save_weights_for_sampler(self, name: str, overwrite: bool = False, ttl_seconds: int | None = None,
+                                 user_metadata: dict[str, str] | None = None
+                                 ) -> APIFuture[t.SaveWeightsForSamplerResponse]:
         """Save a PEFT adapter folder; ``.path`` is ``trio://<run>/sampler_weights/<name>``.
 
         A used ``name`` is refused (ValidationError, status 409) unless ``overwrite``.
         With ``overwrite=True``, samplers already made on that path sample the new
-        weights from their next request.
+        weights from their next request. ``ttl_seconds`` and ``user_metadata``: as
+        ``save_state``'s.
         """
         return self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsForSamplerResponse,
-                            name=name, kind="sampler_weights", overwrite=overwrite)
+                            name=name, kind="sampler_weights", overwrite=overwrite, ttl_seconds=ttl_seconds,
+                            user_metadata=user_metadata)
 
     def log_metrics(
         self, metrics: Mapping[str, float], step: int | None = None

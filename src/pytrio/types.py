@@ -373,6 +373,13 @@ class Usage(TokenUsage):
     runs: list[RunUsage] = Field(default_factory=list)
 
 
+MAX_TTL_SECONDS = 3650 * 86400  # ten years, as tinker's
+
+
+class CheckpointTTL(_Model):
+    ttl_seconds: int | None  # None: kept until deleted
+
+
 class Checkpoint(_Model):
     path: str
     run_id: str
@@ -380,6 +387,8 @@ class Checkpoint(_Model):
     name: str
     created_at: str
     size_bytes: int = 0
+    expires_at: str | None = None  # removed by the service from then on (a save's ttl_seconds); None: kept
+    user_metadata: dict[str, str] | None = None
 
 
 class TrainingRun(_Model):
@@ -533,6 +542,8 @@ class SaveWeightsRequest(_RunRequest):
     name: str | None = None
     kind: Literal["weights", "sampler_weights", "ephemeral"]
     overwrite: bool = False  # False: a used name is refused (409)
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_SECONDS)  # removed this long after the save; None: kept
+    user_metadata: dict[str, str] | None = None  # kept with the checkpoint, listed with it
 
     @field_validator("name")
     @classmethod

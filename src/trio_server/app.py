@@ -135,6 +135,10 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
         core.delete_checkpoint(user(request), path)
         return {"deleted": path}
 
+    @app.put("/api/v1/checkpoints/ttl")
+    def set_checkpoint_ttl(path: str, body: t.CheckpointTTL, request: Request) -> t.Checkpoint:
+        return core.set_checkpoint_ttl(user(request), path, body.ttl_seconds)
+
     @app.get("/api/v1/checkpoints/archive")
     def checkpoint_archive(path: str, request: Request) -> FileResponse:
         archive = core.checkpoint_archive(user(request), path)

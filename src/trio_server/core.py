@@ -16,6 +16,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import itertools
+import json
 import logging
 import secrets
 import shutil
@@ -35,10 +36,10 @@ from pytrio.errors import describe_validation_error
 from . import checkpoints as ckpt
 from .engine import Engine, EngineSettings, LocalEngine
 from .errors import RESTART_MESSAGE, ServiceError, not_found, over_capacity
-from .handlers import Context, remove_checkpoint
+from .handlers import Context, remove_checkpoint, remove_expired_checkpoints
 from .queueing import QueueInfo, describe
 from .scheduler import WorkItem
-from .store import Store, dumps, now
+from .store import Store, dumps, later, now
 from .store import checkpoints as checkpoints_table
 from .store import requests as requests_table
 from .store import runs as runs_table
@@ -200,6 +201,7 @@ class ServiceCore:
             log.warning("marked %d in-flight requests failed after restart", len(failed))
         for row in self.store.select(checkpoints_table, kind="ephemeral"):  # they live one service lifetime
             remove_checkpoint(self.store, self.data_dir, row)
+        remove_expired_checkpoints(self.store, self.data_dir)
         from trio_engine.checkpoint import recover_folders
 
         recover_folders(self.data_dir / "checkpoints")  # a checkpoint write the crash interrupted
@@ -408,6 +410,9 @@ class ServiceCore:
     def _checkpoint(self, user_id: str, path: str, kind: str | None = None) -> dict:
         ckpt.parse_path(path)  # a clear validation error for a malformed path
         row = self.store.get(checkpoints_table, path=path)
+        if row is not None and row["expires_at"] is not None and row["expires_at"] <= now():
+            remove_checkpoint(self.store, self.data_dir, row)  # its TTL ran out since the last sweep
+            row = None
         if row is None or row["user_id"] != user_id:
             raise not_found(f"checkpoint {path!r}")
         if kind and row["kind"] != kind:
@@ -624,8 +629,6 @@ class ServiceCore:
         return self._training_run(self._run(user_id, run_id))
 
     def _training_run(self, row: dict) -> t.TrainingRun:
-        import json
-
         return t.TrainingRun(
             run_id=row["run_id"], base_model=row["base_model"], lora_rank=json.loads(row["lora_config"])["rank"],
             created_at=row["created_at"], last_request_at=row["last_request_at"], step=row["step"],
@@ -664,12 +667,21 @@ class ServiceCore:
         where = {"user_id": user_id} | ({"run_id": run_id} if run_id else {})
         if run_id:
             self._run(user_id, run_id)
+        remove_expired_checkpoints(self.store, self.data_dir)
         rows = self.store.select(checkpoints_table, order_by="created_at", **where)
-        return [t.Checkpoint(**{k: v for k, v in r.items() if k != "user_id"}) for r in rows
-                if r["kind"] != "ephemeral"]  # unnamed sampler weights are not checkpoints to keep
+        return [_checkpoint_of(r) for r in rows if r["kind"] != "ephemeral"]  # unnamed sampler weights are not kept
 
     def delete_checkpoint(self, user_id: str, path: str) -> None:
         remove_checkpoint(self.store, self.data_dir, self._checkpoint(user_id, path))
+
+    def set_checkpoint_ttl(self, user_id: str, path: str, ttl_seconds: int | None) -> t.Checkpoint:
+        """The checkpoint expires ``ttl_seconds`` from now (None: never); 404 unless it is this user's."""
+        row = self._checkpoint(user_id, path)
+        if ttl_seconds is not None and not 1 <= ttl_seconds <= t.MAX_TTL_SECONDS:
+            raise ServiceError("validation", f"ttl_seconds: must be in [1, {t.MAX_TTL_SECONDS}] or null, got {ttl_seconds}")
+        expires_at = None if ttl_seconds is None else later(now(), ttl_seconds)
+        self.store.update(checkpoints_table, "path", path, expires_at=expires_at)
+        return _checkpoint_of(row | {"expires_at": expires_at})
 
     def checkpoint_archive(self, user_id: str, path: str) -> Path:
         """A tar archive of the checkpoint folder (built once, then served with ranges)."""
@@ -682,6 +694,13 @@ class ServiceCore:
         atexit.unregister(self.close)
         for worker in list(self.workers.values()):
             worker.stop()
+
+
+def _checkpoint_of(row: dict) -> t.Checkpoint:
+    """A checkpoints row as the API's Checkpoint."""
+    metadata = json.loads(row["user_metadata"]) if row["user_metadata"] else None
+    return t.Checkpoint(**{k: v for k, v in row.items() if k not in ("user_id", "user_metadata")},
+                        user_metadata=metadata)
 
 
 def _quota(name: str, what: str, used: int, limit: int) -> None:

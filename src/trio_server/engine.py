@@ -457,7 +457,9 @@ class LocalEngine:
         folder = Path(weights)
         if not folder.exists():  # deleted since the sampler was made
             self._forget_sampler(weights)
-            raise WeightsNotFoundError(f"model_path: the checkpoint {folder.name!r} no longer exists")
+            why = (" (unnamed sampler weights, as save_weights_and_get_sampling_client saves: a run keeps its "
+                   "newest few; name them to keep them)" if folder.parent.name == "ephemeral" else "")
+            raise WeightsNotFoundError(f"model_path: the checkpoint {folder.name!r} no longer exists{why}")
         cache = self.sampler_adapters
         if weights in cache:
             cache.move_to_end(weights)

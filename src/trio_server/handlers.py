@@ -40,7 +40,7 @@ from .errors import ServiceError
 from .metrics import StepTotals
 from .scheduler import WorkItem, tokens
 from .splitting import Split, in_whole_request, split_of
-from .store import Store, now
+from .store import Store, later, now
 from .store import checkpoints as checkpoints_table
 from .store import runs as runs_table
 from .store import samplers as samplers_table
@@ -324,7 +324,9 @@ def _finish_step(ctx: Context, run_id: str, optim_metrics: dict[str, float]) -> 
 
 def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:
     """Save a checkpoint; a used name is refused, before anything is written, unless
-    ``overwrite``. Ephemeral weights are named by their request's seq (so they sort)."""
+    ``overwrite`` (which replaces its TTL and metadata too). Ephemeral weights are named by
+    their request's seq (so they sort). Every save also removes the checkpoints whose TTL
+    has run out, so a run that saves with TTLs keeps its disk bounded."""
     req: t.SaveWeightsRequest = item.request
     name = req.name or f"{item.seq:010d}"
     path = ckpt.make_path(req.model_id, req.kind, name)
@@ -340,10 +342,14 @@ def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:
     except CheckpointWriteError as exc:  # disk full, read-only...: ours to fix, not the caller's
         raise ServiceError("server", f"saving checkpoint {path!r} failed: {exc.reason}; the previous "
                            "checkpoint of this name, if any, is unchanged", 500) from exc
+    created = now()
     ctx.store.replace(checkpoints_table, path=path, user_id=item.user_id, run_id=req.model_id, kind=req.kind,
-                      name=name, created_at=now(), size_bytes=ckpt.folder_size(Path(folder)))
+                      name=name, created_at=created, size_bytes=ckpt.folder_size(Path(folder)),
+                      expires_at=None if req.ttl_seconds is None else later(created, req.ttl_seconds),
+                      user_metadata=None if req.user_metadata is None else json.dumps(req.user_metadata))
     if req.kind == "ephemeral":
         _expire_ephemeral(ctx, req.model_id)
+    remove_expired_checkpoints(ctx.store, ctx.data_dir)
     return t.SaveWeightsResponse(path=path)
 
 
@@ -353,6 +359,14 @@ def _expire_ephemeral(ctx: Context, run_id: str) -> None:
     rows = sorted(ctx.store.select(checkpoints_table, run_id=run_id, kind="ephemeral"), key=lambda r: r["name"])
     for row in rows[:-ctx.ephemeral_per_run]:
         remove_checkpoint(ctx.store, ctx.data_dir, row)
+
+
+def remove_expired_checkpoints(store: Store, data_dir: Path) -> None:
+    """Remove every checkpoint whose ``expires_at`` has passed (any user's: TTLs are kept by
+    the service, as the tinker SDK's ``ttl_seconds`` expects)."""
+    for row in store.expired_checkpoints(now()):
+        log.info("checkpoint %s expired at %s: removed", row["path"], row["expires_at"])
+        remove_checkpoint(store, data_dir, row)
 
 
 def remove_checkpoint(store: Store, data_dir: Path, row: dict) -> None:

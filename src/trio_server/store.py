@@ -81,6 +81,8 @@ checkpoints = sa.Table(
     sa.Column("name", sa.String(128), nullable=False),
     sa.Column("created_at", sa.String(32), nullable=False),
     sa.Column("size_bytes", sa.BigInteger, nullable=False, default=0),
+    sa.Column("expires_at", sa.String(32), nullable=True, index=True),  # now()'s format: compares as text
+    sa.Column("user_metadata", sa.Text, nullable=True),  # JSON
 )
 samplers = sa.Table(
     "samplers", metadata,
@@ -118,6 +120,11 @@ USAGE_KINDS = ("trained", "prefilled", "sampled")
 
 def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def later(moment: str, seconds: float) -> str:
+    """``seconds`` after ``moment``, in ``now()``'s format (so the two compare as text)."""
+    return (dt.datetime.fromisoformat(moment) + dt.timedelta(seconds=seconds)).isoformat(timespec="milliseconds")
 
 
 KEY_ID_LEN = 12
@@ -329,6 +336,11 @@ class Store:
             query = query.order_by(table.c[order_by])
         return self._transaction(lambda c: [dict(r._mapping) for r in c.execute(query)])
 
+    def expired_checkpoints(self, at: str) -> list[dict]:
+        """The checkpoints whose ``expires_at`` is at or before ``at`` (``now()``'s format)."""
+        query = sa.select(checkpoints).where(checkpoints.c.expires_at <= at)
+        return self._transaction(lambda c: [dict(r._mapping) for r in c.execute(query)])
+
     def delete(self, table: sa.Table, **where: Any) -> None:
         query = table.delete()
         for k, v in where.items():
@@ -378,14 +390,20 @@ def _key_clause(table: sa.Table, values: dict[str, Any]) -> list[sa.ColumnElemen
     return [column == values[column.name] for column in table.primary_key.columns]
 
 
+ADDED_COLUMNS = {  # table -> columns added since the first release, with their SQL types
+    "api_keys": {"revoked_at": "VARCHAR(32)", "budget_tokens": "BIGINT"},
+    "checkpoints": {"expires_at": "VARCHAR(32)", "user_metadata": "TEXT"},
+}
+
+
 def _add_missing_columns(engine: sa.Engine) -> None:
     """Columns added since a database was created (create_all adds only tables)."""
-    have = {c["name"] for c in sa.inspect(engine).get_columns("api_keys")}
-    added = {"revoked_at": "VARCHAR(32)", "budget_tokens": "BIGINT"}
-    for name, sql_type in added.items():
-        if name not in have:
-            with engine.begin() as c:
-                c.execute(sa.text(f"ALTER TABLE api_keys ADD COLUMN {name} {sql_type}"))
+    for table, added in ADDED_COLUMNS.items():
+        have = {c["name"] for c in sa.inspect(engine).get_columns(table)}
+        for name, sql_type in added.items():
+            if name not in have:
+                with engine.begin() as c:
+                    c.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {name} {sql_type}"))
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

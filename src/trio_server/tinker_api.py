@@ -68,6 +68,7 @@ from .tinker_wire import (
 log = logging.getLogger("trio.tinker")
 
 POLL_SECONDS = 25.0  # under the SDK's 45 s per-poll timeout
+MIN_BYTES_PER_TOKEN = 12  # the SDK's estimate of a datum: 4 bytes a token, + 8 for int64 target_tokens
 KEY_PREFIX = "tml-"
 PROTO = "application/x-protobuf"
 LOCAL_PREFIX = "tinker-"  # request ids of futures this module holds, not the core
@@ -148,6 +149,7 @@ class TinkerDoor:
         self.local_by_key: dict[tuple[str, str], str] = {}
         self.known: dict[tuple[str, str], str] = {}  # (user, tinker id) -> core id; never changes once set
         self.ops: dict[str, str] = {}  # core request id -> op, for the requests made here (recent ones)
+        self.contexts: dict[str, int] = {}  # base model -> its context (context_of_sampler)
 
     # -- auth --------------------------------------------------------------------------------
 
@@ -321,10 +323,31 @@ class TinkerDoor:
 
     # -- sampling sessions ---------------------------------------------------------------
 
-    async def open_sampler(self, user_id: str, sampling_session_id: str, body: dict) -> str:
-        """Create (once) the core sampler behind a tinker sampling session; its core id."""
+    async def context_of_sampler(self, sampler_id: str) -> int:
+        """The most tokens a sequence of this core sampler may have (its base model's context
+        within the server's ``max_seq_len``); loads the model the first time."""
+        row = self.core.store.get(samplers_table, sampler_id=sampler_id)
+        if row is None:
+            raise not_found(f"sampler {sampler_id!r}")
+        if row["base_model"] not in self.contexts:
+            self.contexts[row["base_model"]] = await asyncio.to_thread(self.core.context_length, row["base_model"])
+        return self.contexts[row["base_model"]]
+
+    async def open_sampler(self, user_id: str, sampling_session_id: str, body: dict,
+                           wait_for_room: bool = False) -> str:
+        """Create (once) the core sampler behind a tinker sampling session; its core id.
+
+        ``wait_for_room``: past a queue bound, wait and resubmit (as the SDK does on a 429)
+        rather than raise; for a call already answered with a future, which could only fail."""
         key = f"tinker:{sampling_session_id}"
-        request_id = self.core.submit(user_id, "create_sampler", body, key)
+        while True:
+            try:
+                request_id = self.core.submit(user_id, "create_sampler", body, key)
+                break
+            except ServiceError as exc:
+                if not (wait_for_room and exc.category == "capacity"):
+                    raise
+                await asyncio.sleep(exc.retry_after or 1.0)
         self.remember(sampling_session_id, user_id, request_id)
         return await self.core_id(user_id, sampling_session_id, "sampling session")
 
@@ -349,6 +372,7 @@ def _tinker_checkpoint(c: Any) -> dict:
     return {
         "checkpoint_id": f"{c.kind}/{c.name}", "checkpoint_type": "training" if c.kind == "weights" else "sampler",
         "time": c.created_at, "tinker_path": to_tinker_path(c.path), "size_bytes": c.size_bytes, "public": False,
+        "expires_at": c.expires_at, "user_metadata": c.user_metadata,
     }
 
 
@@ -396,9 +420,12 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     @r.post("/client/config")
     async def client_config(request: Request) -> dict:
         user(request)
-        # Chunks of one forward_backward in seq order; plain httpx transport.
+        # Chunks of one forward_backward in seq order; plain httpx transport. The SDK also
+        # cuts a chunk at an estimate of its bytes: at least 12 a token (an int32 input, an
+        # int64 target), so this bound keeps every chunk within max_tokens_per_request.
         return {"parallel_fwdbwd_chunks": False, "use_pyqwest_transport": False,
-                "fwdbwd_max_chunk_len": core.limits.max_batch_size}
+                "fwdbwd_max_chunk_len": core.limits.max_batch_size,
+                "fwdbwd_max_chunk_bytes_count": MIN_BYTES_PER_TOKEN * core.limits.max_tokens_per_request}
 
     @r.post("/client/dynamic_config")
     async def dynamic_config(request: Request) -> dict:
@@ -531,7 +558,8 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         name = b.get("path") or None
         if name is None and kind == "sampler_weights":
             kind = "ephemeral"
-        req = {"model_id": run_id, "seq": seq, "name": name, "kind": kind, "overwrite": bool(b.get("overwrite"))}
+        req = {"model_id": run_id, "seq": seq, "name": name, "kind": kind, "overwrite": bool(b.get("overwrite")),
+               "ttl_seconds": b.get("ttl_seconds"), "user_metadata": b.get("user_metadata")}
         rid = door.submit(user_id, "save_weights", req, key)
         session_seq = b.get("sampling_session_seq_id")
         if kind == "weights" or session_seq is None:
@@ -540,7 +568,7 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         async def then_sample() -> Reply:  # save, then open the sampling session on it
             saved = json.loads((await door.wait(user_id, rid)).result_json or "{}")
             sampling_session_id = f"{session_of(model_id)}:sample:{session_seq}"
-            await door.open_sampler(user_id, sampling_session_id, {"model_path": saved["path"]})
+            await door.open_sampler(user_id, sampling_session_id, {"model_path": saved["path"]}, wait_for_room=True)
             reply: dict[str, Any] = {"sampling_session_id": sampling_session_id, "type": "save_weights_for_sampler"}
             if b.get("path"):
                 reply["path"] = to_tinker_path(saved["path"])
@@ -613,12 +641,16 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
                     raise ServiceError("validation", f"prompt.chunks[{i}]: {chunk.get('type')} chunks are not supported by TRIO")
                 tokens.extend(chunk["tokens"])
             p = dict(b.get("sampling_params") or {})
-            params = {k: p[k] for k in ("temperature", "top_k", "top_p", "seed", "stop") if p.get(k) is not None}
-            params["max_tokens"] = p.get("max_tokens") or max(1, core.limits.max_seq_len - len(tokens))
+            params = {k: p[k] for k in ("temperature", "top_k", "top_p", "seed", "stop", "max_tokens")
+                      if p.get(k) is not None}
+            if "max_tokens" not in params:  # the SDK's default: what the model's context leaves
+                params["max_tokens"] = max(1, await door.context_of_sampler(sampler_id) - len(tokens))
             req = {"sampler_id": sampler_id, "prompt": {"chunks": [{"tokens": tokens}]}, "num_samples": n,
                    "sampling_params": params, "include_prompt_logprobs": bool(b.get("prompt_logprobs"))}
             rid = door.submit(user_id, "sample", req, key)
         except ServiceError as exc:
+            if exc.category in ("authentication", "capacity"):
+                raise  # a 429 the SDK waits out and resends (door.submit)
             rid = door.local_future(user_id, door._raise(exc), key)
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]}
 
@@ -663,6 +695,13 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         run_id = await run_id_of(user_id, training_run_id)
         core.delete_checkpoint(user_id, f"trio://{run_id}/{kind}/{name}")
         return Response(status_code=204)
+
+    @r.put("/training_runs/{training_run_id}/checkpoints/{kind}/{name}/ttl")
+    async def set_checkpoint_ttl(training_run_id: str, kind: str, name: str, body: _Body, request: Request) -> dict:
+        user_id = user(request)
+        run_id = await run_id_of(user_id, training_run_id)
+        checkpoint = core.set_checkpoint_ttl(user_id, f"trio://{run_id}/{kind}/{name}", body.model_dump().get("ttl_seconds"))
+        return _tinker_checkpoint(checkpoint)
 
     @r.post("/weights_info")
     async def weights_info(body: _Body, request: Request) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import tarfile
+from datetime import datetime, timedelta
 
 import numpy as np
 import pytest
@@ -245,6 +246,42 @@ def test_rest_client(service, tmp_path):
     assert rest.list_checkpoints(tc.model_id) == []
     with pytest.raises(trio.NotFoundError):
         rest.delete_checkpoint(path)
+
+
+def _core_of(request):
+    """The ServiceCore behind the ``service`` fixture's client, on either transport."""
+    if request.node.callspec.params["service"] == "local":
+        return request.getfixturevalue("local_core")
+    return request.getfixturevalue("http_server").core
+
+
+def test_a_checkpoint_with_a_ttl_lists_when_it_expires_and_is_removed_once_it_has(service, request):
+    from trio_server.store import checkpoints
+
+    tc = trainer(service)
+    rest = service.create_rest_client()
+    saved = tc.save_state("ttl", ttl_seconds=3600, user_metadata={"stage": "warmup"}).result().path
+    kept = tc.save_weights_for_sampler("kept").result().path
+    listed = {c.path: c for c in rest.list_checkpoints(tc.model_id)}
+    assert listed[saved].user_metadata == {"stage": "warmup"} and listed[kept].expires_at is None
+    created, expires = (datetime.fromisoformat(x) for x in (listed[saved].created_at, listed[saved].expires_at))
+    assert expires - created == timedelta(hours=1)
+    assert rest.set_checkpoint_ttl(kept, 60).expires_at is not None
+    assert rest.set_checkpoint_ttl(kept, None).expires_at is None  # kept until deleted again
+    with pytest.raises(trio.ValidationError, match="ttl_seconds"):
+        tc.save_state("bad", ttl_seconds=0)
+    sampler = service.create_sampling_client(model_path=kept)
+    with pytest.raises(trio.NotFoundError):
+        rest.set_checkpoint_ttl(kept.replace("kept", "other"), 60)
+    # an hour later (the store's clock moved instead of this test waiting): gone from the
+    # list, from disk and for loading; the checkpoint without a TTL stays
+    core = _core_of(request)
+    core.store.update(checkpoints, "path", saved, expires_at="2000-01-01T00:00:00.000+00:00")
+    folder = core.checkpoint_dir(tc.model_id, "weights", "ttl")
+    assert [c.path for c in rest.list_checkpoints(tc.model_id)] == [kept] and not folder.exists()
+    with pytest.raises(trio.NotFoundError):
+        service.create_training_client_from_state(saved)
+    assert sampler.sample(trio.ModelInput.from_ints([1, 2]), 1, trio.SamplingParams(max_tokens=1)).result()
 
 
 def test_capabilities(service):

@@ -284,3 +284,58 @@ def test_the_tinker_and_openai_doors_answer_429_with_retry_after_in_their_shapes
         assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "rate_limit_exceeded"
         assert "max_pending_per_user" in r.json()["error"]["message"]
     fb.result()
+
+
+def test_a_tinker_sample_past_a_queue_bound_is_429_not_a_failed_future(tight):
+    """The cookbook's rollouts send hundreds of samples at once: past the bound the SDK must
+    get the 429 it waits out and resends, as for training calls."""
+    from ..polling import wait_until
+
+    svc = client_for(tight)
+    key = svc._session.transport.headers["Authorization"][7:]
+    headers = {"X-API-Key": "tml-" + key}
+    url = tight.url + "/tinker/api/v1/"
+    session = httpx.post(url + "create_session", headers=headers, json={"tags": [], "sdk_version": "0.38.0"}).json()
+    opened = httpx.post(url + "create_sampling_session", headers=headers, json={
+        "session_id": session["session_id"], "sampling_session_seq_id": 0, "base_model": MODEL}).json()
+    body = {"sampling_session_id": opened["sampling_session_id"], "seq_id": 0, "num_samples": 1,
+            "prompt": {"chunks": [{"tokens": [1, 2, 3]}]}, "sampling_params": {"max_tokens": 2}}
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    worker = tight.core.workers[MODEL]
+    with held(tight):
+        fb = tc.forward_backward([datum()])
+        wait_until(lambda: bool(worker.running), "forward_backward to run")
+        r = httpx.post(url + "asample", headers=headers, json=body)
+        assert r.status_code == 429 and r.headers["retry-after-ms"] == "200", r.text
+    fb.result()
+    r = httpx.post(url + "asample", headers=headers, json=body)  # the resend, once there is room
+    assert r.status_code == 200 and r.json()["request_id"].startswith("req-")
+
+
+def test_openai_prompts_that_do_not_all_fit_the_queue_are_refused_whole(tight):
+    """Each prompt of a completion is a core request: none is sent unless all fit (a 429
+    the client may retry), and more than the bound can ever hold is a 400."""
+    import dataclasses
+
+    from ..polling import wait_until
+
+    svc = client_for(tight)
+    key = svc._session.transport.headers["Authorization"][7:]
+    tight.core.limits = dataclasses.replace(tight.core.limits, max_pending_per_user=3)
+    completions = tight.url + "/openai/v1/completions"
+    headers = {"Authorization": f"Bearer {key}"}
+    r = httpx.post(completions, headers=headers, json={"model": MODEL, "prompt": ["a", "b", "c", "d"], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+    worker = tight.core.workers[MODEL]
+    with held(tight):
+        fbs = [tc.forward_backward([datum()]) for _ in range(2)]  # two of the three places taken
+        wait_until(lambda: len(worker.running) + len(worker.pending) == 2, "both forward_backwards to arrive")
+        submitted = len(tight.core.futures)
+        r = httpx.post(completions, headers=headers, json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 1})
+        assert r.status_code == 429 and "this call needs 2 more" in r.json()["error"]["message"], r.text
+        assert len(tight.core.futures) == submitted  # neither prompt was sent
+    for fb in fbs:
+        fb.result()
+    r = httpx.post(completions, headers=headers, json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2

@@ -93,3 +93,29 @@ def test_usage_adds_up_per_user_and_run_and_budgets_belong_to_keys(db_url):
     assert store.budget_of(user) == 5 and store.list_api_keys()[0]["budget_tokens"] == 5
     with pytest.raises(KeyError, match="no key has this id or name"):
         store.set_budget("missing", 1)
+
+
+def test_a_database_made_before_checkpoint_ttls_gains_their_columns(db_url):
+    """create_all adds tables, not columns: a store opened on an older database adds the
+    columns added since, and its old rows read as kept forever, without metadata."""
+    import sqlalchemy as sa
+
+    from trio_server.store import ADDED_COLUMNS, checkpoints, metadata
+
+    engine = sa.create_engine(db_url)
+    old = sa.MetaData()
+    for table in ADDED_COLUMNS:  # those tables as first released
+        columns = metadata.tables[table].columns
+        sa.Table(table, old, *[c._copy() for c in columns if c.name not in ADDED_COLUMNS[table]])
+    old.create_all(engine)
+    with engine.begin() as c:
+        c.execute(sa.text("INSERT INTO checkpoints (path, user_id, run_id, kind, name, created_at, size_bytes) "
+                          "VALUES ('trio://r/weights/a', 'u', 'r', 'weights', 'a', '2026-01-01', 1)"))
+    engine.dispose()
+    store = Store(db_url)
+    assert store.get(checkpoints, path="trio://r/weights/a") == {
+        "path": "trio://r/weights/a", "user_id": "u", "run_id": "r", "kind": "weights", "name": "a",
+        "created_at": "2026-01-01", "size_bytes": 1, "expires_at": None, "user_metadata": None}
+    store.update(checkpoints, "path", "trio://r/weights/a", expires_at="2026-01-02")
+    assert [r["path"] for r in store.expired_checkpoints("2026-01-03")] == ["trio://r/weights/a"]
+    assert store.expired_checkpoints("2026-01-01T12") == []

@@ -196,6 +196,40 @@ def test_limits_fail_the_future_naming_the_limit(alice, server):
     assert failed["category"] == "user" and "num_samples" in failed["error"]
 
 
+def test_the_sdks_chunks_of_a_large_batch_fit_the_request_token_limit(alice, server):
+    """The SDK cuts a forward_backward into chunks by datums and by estimated bytes; the
+    bytes bound the client config gives keeps each chunk within max_tokens_per_request
+    (the SDK's default, 5 MB, let 144,000 tokens through as one chunk)."""
+    from types import SimpleNamespace
+
+    from tinker.lib.public_interfaces.training_client import TrainingClient
+
+    config = tt.ClientConfigResponse(**alice.post("client/config", {}).json())
+    tokens = [5] * 481
+    data = [tt.Datum(model_input=tt.ModelInput.from_ints(tokens[:-1]),
+                     loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 480})] * 300
+    client = SimpleNamespace(holder=SimpleNamespace(_client_config=config))
+    chunks = list(TrainingClient._chunked_requests_generator(client, data))
+    assert sum(len(c.data) for c in chunks) == 300
+    assert max(len(c.data) for c in chunks) * 480 <= server.core.limits.max_tokens_per_request
+
+
+def test_a_sample_without_max_tokens_runs_to_the_models_own_context(alice):
+    """The SDK's default max_tokens (None): what the model's context (512 for the tiny
+    Llama, below the server's max_seq_len) leaves after the prompt."""
+    session, _ = alice.new_model()
+    ssid = alice.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                  "base_model": TINY}).json()["sampling_session_id"]
+    submitted = alice.post("asample", {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 1,
+                                       "prompt": {"chunks": [{"tokens": TOKENS}]},
+                                       "sampling_params": {"temperature": 1.0, "seed": 3}}).json()
+    reply = alice.result(submitted["request_id"])
+    assert reply.status_code == 200 and not reply.headers["content-type"].startswith("application/json"), reply.text
+    proto = public_pb.SampleResponse()
+    proto.ParseFromString(reply.content)
+    assert 0 < len(proto.sequences[0].tokens) // 4 <= 512 - len(TOKENS)  # int32 tokens
+
+
 def test_users_are_isolated(alice, bob):
     _, model_id = alice.new_model()
     submitted = alice.forward_backward(model_id, 1).json()

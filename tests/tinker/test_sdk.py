@@ -109,7 +109,7 @@ def _walk_every_route(service, tinker_server):
 
     # checkpoints: tinker:// paths of the same checkpoints pytrio calls trio://
     state = tc.save_state("st1").result().path
-    sampler_path = tc.save_weights_for_sampler("sw1").result().path
+    sampler_path = tc.save_weights_for_sampler("sw1", ttl_seconds=7200, user_metadata={"step": "3"}).result().path
     run_id = tt.ParsedCheckpointTinkerPath.from_tinker_path(state).training_run_id
     assert state == f"tinker://{run_id}/weights/st1"
     assert sampler_path == f"tinker://{run_id}/sampler_weights/sw1"
@@ -132,8 +132,15 @@ def _walk_every_route(service, tinker_server):
     assert len(base.sample(prompt, 1, tt.SamplingParams(max_tokens=2)).result().sequences[0].tokens) <= 2
 
     # the REST client: runs and checkpoints, listed and described
-    ids = {c.checkpoint_id for c in rest.list_checkpoints(run_id).result().checkpoints}
-    assert ids == {"weights/st1", "sampler_weights/sw1"}  # the unnamed sampler save is not listed
+    listed = {c.checkpoint_id: c for c in rest.list_checkpoints(run_id).result().checkpoints}
+    assert set(listed) == {"weights/st1", "sampler_weights/sw1"}  # the unnamed sampler save is not listed
+    ttl = listed["sampler_weights/sw1"]
+    assert (ttl.expires_at - ttl.time).total_seconds() == 7200 and ttl.user_metadata == {"step": "3"}
+    assert listed["weights/st1"].expires_at is None
+    rest.set_checkpoint_ttl_from_tinker_path(state, 3600).result()
+    assert rest.list_checkpoints(run_id).result().checkpoints[0].expires_at is not None
+    rest.set_checkpoint_ttl_from_tinker_path(state, None).result()
+    assert rest.list_checkpoints(run_id).result().checkpoints[0].expires_at is None
     assert state in {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints}
     run = rest.get_training_run(run_id).result()
     assert run.base_model == TINY and run.lora_rank == 8 and run.user_metadata == {"renderer_name": "role_colon"}

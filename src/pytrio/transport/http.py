@@ -105,6 +105,10 @@ class HttpTransport:
     async def delete_checkpoint(self, path: str) -> None:
         await self._request("DELETE", "/checkpoints", params={"path": path})
 
+    async def set_checkpoint_ttl(self, path: str, ttl_seconds: int | None) -> Checkpoint:
+        reply = await self._request("PUT", "/checkpoints/ttl", params={"path": path}, json={"ttl_seconds": ttl_seconds})
+        return Checkpoint.model_validate_json(reply.content)
+
     async def download_checkpoint(self, path: str, dest: Path, progress: bool) -> Path:
         """Stream the archive to ``<dest>.part``, resuming from its size with a Range request.
 

@@ -94,6 +94,9 @@ class LocalTransport:
     async def delete_checkpoint(self, path: str) -> None:
         self._call(self.core.delete_checkpoint, self.user_id, path)
 
+    async def set_checkpoint_ttl(self, path: str, ttl_seconds: int | None) -> Checkpoint:
+        return self._call(self.core.set_checkpoint_ttl, self.user_id, path, ttl_seconds)
+
     async def download_checkpoint(self, path: str, dest: Path, progress: bool) -> Path:
         archive = self._call(self.core.checkpoint_archive, self.user_id, path)
         target = dest / archive.name if dest.is_dir() else dest
