@@ -622,7 +622,7 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     @r.post("/asample")
     async def asample(body: _Body, request: Request) -> dict:
         user_id, b = user(request), body.model_dump()
-        n = int(b.get("num_samples") or 1)
+        n = 1 if b.get("num_samples") is None else int(b["num_samples"])  # 0 is refused, not taken as 1
         ssid, seq_id = b.get("sampling_session_id"), b.get("seq_id")
         key = f"tinker:{ssid}:{seq_id}" if ssid and seq_id is not None else None
         try:
@@ -664,6 +664,29 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
 
     async def run_id_of(user_id: str, training_run_id: str) -> str:
         return await door.core_id(user_id, training_run_id, "training run")
+
+    @r.get("/sessions")
+    def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
+        rows = core.store.select(sessions_table, order_by="created_at", user_id=user(request))
+        return {"sessions": [row["session_id"] for row in rows][offset:offset + limit]}
+
+    @r.get("/sessions/{session_id}")
+    def get_session(session_id: str, request: Request) -> dict:
+        """The session's training runs (their run ids, as the REST routes take) and samplers."""
+        user_id = user(request)
+        door.check_session(user_id, session_id)
+        ids = {"train": [], "sample": []}
+        for row in door.store.select(ids_table, order_by="created_at", user_id=user_id):
+            session, kind, _ = row["tinker_id"].rsplit(":", 2)
+            if session == session_id:
+                ids[kind].append(row["core_id"] or row["tinker_id"])  # the core id once it is known
+        return {"training_run_ids": ids["train"], "sampler_ids": ids["sample"]}
+
+    @r.api_route("/training_runs/{training_run_id}/checkpoints/{kind}/{name}/publish", methods=["POST", "DELETE"])
+    def publish(request: Request) -> dict:
+        user(request)
+        raise ServiceError("validation", "publishing checkpoints is not supported by TRIO: a checkpoint is its "
+                           "owner's alone (download it with pytrio's download_checkpoint_archive to share it)")
 
     @r.get("/training_runs")
     def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:

@@ -121,6 +121,38 @@ def test_session_routes(alice):
     assert alice.post(f"sessions/{session}/finish", {"reason": {"type": "success"}}).status_code == 200
 
 
+def test_a_session_lists_its_runs_and_samplers(alice, bob):
+    session, model_id = alice.new_model()
+    opened = alice.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                     "base_model": TINY}).json()
+    assert alice.result(alice.forward_backward(model_id, 1).json()["request_id"]).status_code == 200
+    described = alice.get(f"sessions/{session}").json()
+    run_id = alice.get("training_runs").json()["training_runs"][-1]["training_run_id"]
+    assert described["training_run_ids"] == [run_id] and len(described["sampler_ids"]) == 1
+    assert alice.get(f"samplers/{opened['sampling_session_id']}").status_code == 200
+    assert session in alice.get("sessions?limit=1000").json()["sessions"]
+    assert session not in bob.get("sessions").json()["sessions"]
+    assert bob.get(f"sessions/{session}").status_code == 404
+
+
+def test_publishing_a_checkpoint_is_refused_with_a_reason(alice):
+    _, model_id = alice.new_model()
+    saved = alice.result(alice.post("save_weights", {"model_id": model_id, "path": "pub", "seq_id": 1}).json()["request_id"])
+    run_id, checkpoint = saved.json()["path"].removeprefix("tinker://").split("/", 1)
+    reply = alice.post(f"training_runs/{run_id}/checkpoints/{checkpoint}/publish")
+    assert reply.status_code == 400 and "not supported by TRIO" in reply.text
+
+
+def test_zero_samples_are_refused_not_taken_as_one(alice):
+    session, _ = alice.new_model()
+    ssid = alice.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                  "base_model": TINY}).json()["sampling_session_id"]
+    submitted = alice.post("asample", {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 0,
+                                       "prompt": {"chunks": [{"tokens": TOKENS}]}, "sampling_params": {"max_tokens": 1}})
+    failed = alice.result(submitted.json()["request_id"]).json()
+    assert failed["category"] == "user" and "num_samples" in failed["error"]
+
+
 def test_a_resent_seq_runs_once(alice):
     """The SDK's outer retry resends a seq under a new idempotency key: same request, run once."""
     _, model_id = alice.new_model()
