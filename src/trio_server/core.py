@@ -36,7 +36,7 @@ from pytrio.errors import describe_validation_error
 from . import checkpoints as ckpt
 from .engine import Engine, EngineSettings, LocalEngine
 from .errors import RESTART_MESSAGE, ServiceError, not_found, over_capacity
-from .handlers import Context, remove_checkpoint, remove_expired_checkpoints
+from .handlers import Context, expired, remove_checkpoint, remove_expired_checkpoints
 from .queueing import QueueInfo, describe
 from .scheduler import WorkItem
 from .store import Store, dumps, later, now
@@ -410,8 +410,8 @@ class ServiceCore:
     def _checkpoint(self, user_id: str, path: str, kind: str | None = None) -> dict:
         ckpt.parse_path(path)  # a clear validation error for a malformed path
         row = self.store.get(checkpoints_table, path=path)
-        if row is not None and row["expires_at"] is not None and row["expires_at"] <= now():
-            remove_checkpoint(self.store, self.data_dir, row)  # its TTL ran out since the last sweep
+        if row is not None and expired(row):  # its TTL ran out since the last sweep
+            remove_expired_checkpoints(self.store, self.data_dir)
             row = None
         if row is None or row["user_id"] != user_id:
             raise not_found(f"checkpoint {path!r}")

@@ -12,6 +12,7 @@ import json
 import logging
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -324,29 +325,32 @@ def _finish_step(ctx: Context, run_id: str, optim_metrics: dict[str, float]) -> 
 
 def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:
     """Save a checkpoint; a used name is refused, before anything is written, unless
-    ``overwrite`` (which replaces its TTL and metadata too). Ephemeral weights are named by
-    their request's seq (so they sort). Every save also removes the checkpoints whose TTL
-    has run out, so a run that saves with TTLs keeps its disk bounded."""
+    ``overwrite`` (which replaces its TTL and metadata too) or that checkpoint has expired.
+    Ephemeral weights are named by their request's seq (so they sort). Every save also
+    removes the checkpoints whose TTL has run out, so a run that saves with TTLs keeps its
+    disk bounded."""
     req: t.SaveWeightsRequest = item.request
     name = req.name or f"{item.seq:010d}"
     path = ckpt.make_path(req.model_id, req.kind, name)
-    if not req.overwrite and ctx.store.get(checkpoints_table, path=path) is not None:
-        raise ServiceError("validation", f"name: checkpoint {path!r} already exists; pass overwrite=True to "
-                           "replace it, or use another name", 409)
-    folder = ctx.checkpoint_folder(path)
-    try:
-        if req.kind == "weights":
-            ctx.engine.save_state(req.model_id, folder)
-        else:  # the engine frees a sampler copy it had loaded from this folder
-            ctx.engine.save_sampler_weights(req.model_id, folder)
-    except CheckpointWriteError as exc:  # disk full, read-only...: ours to fix, not the caller's
-        raise ServiceError("server", f"saving checkpoint {path!r} failed: {exc.reason}; the previous "
-                           "checkpoint of this name, if any, is unchanged", 500) from exc
-    created = now()
-    ctx.store.replace(checkpoints_table, path=path, user_id=item.user_id, run_id=req.model_id, kind=req.kind,
-                      name=name, created_at=created, size_bytes=ckpt.folder_size(Path(folder)),
-                      expires_at=None if req.ttl_seconds is None else later(created, req.ttl_seconds),
-                      user_metadata=None if req.user_metadata is None else json.dumps(req.user_metadata))
+    with CHECKPOINT_FILES:  # no removal of this path between the check, the write and the record
+        existing = ctx.store.get(checkpoints_table, path=path)
+        if existing is not None and not req.overwrite and not expired(existing):
+            raise ServiceError("validation", f"name: checkpoint {path!r} already exists; pass overwrite=True to "
+                               "replace it, or use another name", 409)
+        folder = ctx.checkpoint_folder(path)
+        try:
+            if req.kind == "weights":
+                ctx.engine.save_state(req.model_id, folder)
+            else:  # the engine frees a sampler copy it had loaded from this folder
+                ctx.engine.save_sampler_weights(req.model_id, folder)
+        except CheckpointWriteError as exc:  # disk full, read-only...: ours to fix, not the caller's
+            raise ServiceError("server", f"saving checkpoint {path!r} failed: {exc.reason}; the previous "
+                               "checkpoint of this name, if any, is unchanged", 500) from exc
+        created = now()
+        ctx.store.replace(checkpoints_table, path=path, user_id=item.user_id, run_id=req.model_id, kind=req.kind,
+                          name=name, created_at=created, size_bytes=ckpt.folder_size(Path(folder)),
+                          expires_at=None if req.ttl_seconds is None else later(created, req.ttl_seconds),
+                          user_metadata=None if req.user_metadata is None else json.dumps(req.user_metadata))
     if req.kind == "ephemeral":
         _expire_ephemeral(ctx, req.model_id)
     remove_expired_checkpoints(ctx.store, ctx.data_dir)
@@ -361,18 +365,33 @@ def _expire_ephemeral(ctx: Context, run_id: str) -> None:
         remove_checkpoint(ctx.store, ctx.data_dir, row)
 
 
+# Saves and removals of checkpoints, in whichever thread (a worker saving, a request listing
+# and sweeping expired ones), one at a time: a sweep that read a row as expired must not
+# remove the folder a save of the same path has just written.
+CHECKPOINT_FILES = threading.RLock()
+
+
+def expired(row: dict) -> bool:
+    """Whether a checkpoints row's TTL has run out."""
+    return row["expires_at"] is not None and row["expires_at"] <= now()
+
+
 def remove_expired_checkpoints(store: Store, data_dir: Path) -> None:
     """Remove every checkpoint whose ``expires_at`` has passed (any user's: TTLs are kept by
     the service, as the tinker SDK's ``ttl_seconds`` expects)."""
     for row in store.expired_checkpoints(now()):
-        log.info("checkpoint %s expired at %s: removed", row["path"], row["expires_at"])
-        remove_checkpoint(store, data_dir, row)
+        with CHECKPOINT_FILES:
+            if store.get(checkpoints_table, path=row["path"]) != row:  # saved again since it was read
+                continue
+            log.info("checkpoint %s expired at %s: removed", row["path"], row["expires_at"])
+            remove_checkpoint(store, data_dir, row)
 
 
 def remove_checkpoint(store: Store, data_dir: Path, row: dict) -> None:
     """Its record, then its folder: a sampler on it fails at its next use."""
-    store.delete(checkpoints_table, path=row["path"])
-    shutil.rmtree(ckpt.folder(data_dir, row["run_id"], row["kind"], row["name"]), ignore_errors=True)
+    with CHECKPOINT_FILES:
+        store.delete(checkpoints_table, path=row["path"])
+        shutil.rmtree(ckpt.folder(data_dir, row["run_id"], row["kind"], row["name"]), ignore_errors=True)
 
 
 def _load_weights(ctx: Context, item: WorkItem) -> t.LoadWeightsResponse:

@@ -675,7 +675,7 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         """The session's training runs (their run ids, as the REST routes take) and samplers."""
         user_id = user(request)
         door.check_session(user_id, session_id)
-        ids = {"train": [], "sample": []}
+        ids: dict[str, list[str]] = {"train": [], "sample": []}
         for row in door.store.select(ids_table, order_by="created_at", user_id=user_id):
             session, kind, _ = row["tinker_id"].rsplit(":", 2)
             if session == session_id:

@@ -282,6 +282,9 @@ def test_a_checkpoint_with_a_ttl_lists_when_it_expires_and_is_removed_once_it_ha
     with pytest.raises(trio.NotFoundError):
         service.create_training_client_from_state(saved)
     assert sampler.sample(trio.ModelInput.from_ints([1, 2]), 1, trio.SamplingParams(max_tokens=1)).result()
+    core.store.update(checkpoints, "path", kept, expires_at="2000-01-01T00:00:00.000+00:00")
+    assert tc.save_weights_for_sampler("kept").result().path == kept  # an expired name is free again
+    assert [c.expires_at for c in rest.list_checkpoints(tc.model_id)] == [None]
 
 
 def test_capabilities(service):
