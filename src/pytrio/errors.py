@@ -16,6 +16,7 @@ raises ``ValidationError`` at call time, before anything is sent.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, TypeVar
 
 import pydantic
@@ -105,13 +106,30 @@ def describe_validation_error(exc: Any) -> str:
         loc = ".".join(f"[{x}]" if isinstance(x, int) else str(x) for x in err["loc"]).replace(".[", "[")
         value = err.get("input")
         shown = type(value).__name__ if isinstance(value, dict | list) else repr(value)
-        parts.append(f"{loc}: {err['msg']} (got {shown[:80]})")
+        message = err["msg"].removeprefix("Value error, ")  # our validators' own messages
+        if message.startswith(loc):  # they name the field themselves
+            parts.append(message)
+        else:
+            parts.append(f"{loc}: {message} (got {shown[:80]})")
     return "; ".join(parts)
 
 
 def validated(model: type[_M], **fields: Any) -> _M:
-    """Build a request, turning a pydantic error into a ValidationError at call time."""
+    """Build a request, turning a pydantic error into a ValidationError at call time.
+
+    The request owns its values: a caller's object that changes after the call (an
+    AdamParams reused with the next step's learning rate, set while this step waits its
+    turn) does not change the call. Models among ``fields`` are validated again from a
+    copy (pydantic would keep the caller's instance as it is, even if changed since it
+    was built); ``data`` is copied datum by datum by its own validator.
+    """
     try:
-        return model(**fields)
+        return model(**{name: value if name == "data" else _own(value) for name, value in fields.items()})
     except pydantic.ValidationError as exc:
         raise ValidationError(describe_validation_error(exc)) from None
+
+
+def _own(value: Any) -> Any:
+    if isinstance(value, pydantic.BaseModel):
+        return type(value).model_validate(value.model_dump())
+    return copy.deepcopy(value)

@@ -136,7 +136,7 @@ class TrainingClient:
         try:
             out = await self._ordered("forward", forward, t.ForwardBackwardOutput, forward_ticket)
             weighted, loss, metrics = await asyncio.to_thread(self._gradients, data, loss_fn, out)
-            backward = t.ForwardRequest(model_id=self.model_id, seq=0, data=weighted, loss_fn="cross_entropy")
+            backward = validated(t.ForwardRequest, model_id=self.model_id, seq=0, data=weighted, loss_fn="cross_entropy")
             request_id = await self._send("forward_backward", backward, backward_ticket)
         finally:
             backward_ticket.release()  # a failed forward or loss frees its place at once
@@ -155,7 +155,14 @@ class TrainingClient:
             loss, metrics = loss_fn(data, logprobs)
         finally:
             self._in_loss_fn.active = False
+        if not torch.isfinite(loss.detach()).all():
+            raise ValidationError(f"forward_backward_custom: loss_fn returned a non-finite loss ({loss.item()})")
         grads = torch.autograd.grad(loss, logprobs, allow_unused=True)
+        for i, g in enumerate(grads):
+            bad = [] if g is None else (~torch.isfinite(g)).nonzero().flatten().tolist()
+            if bad:
+                raise ValidationError(f"forward_backward_custom: the gradient of loss_fn's loss with respect to "
+                                      f"data[{i}]'s logprobs is {float(g[bad[0]])} at token {bad[0]}")
         weighted = [
             t.Datum(model_input=d.model_input, loss_fn_inputs={
                 "target_tokens": d.loss_fn_inputs["target_tokens"],

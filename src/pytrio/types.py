@@ -30,6 +30,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic import ValidationError as PydanticValidationError
+
+from .errors import ValidationError, describe_validation_error
 
 # No leading '.', no '..', no trailing newline ($ would allow one): a name is one safe file name.
 CHECKPOINT_NAME = re.compile(r"^(?!.*\.\.)[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
@@ -42,6 +45,14 @@ class _Model(BaseModel):
     # NaN and infinities go out as the JSON constants Python's json reads back, not as null:
     # a NaN logprob or metric is a value the user must see, and null failed to parse.
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=False, ser_json_inf_nan="constants")
+
+    def __init__(self, **data: Any) -> None:
+        """As pydantic's, but bad values raise the SDK's ``ValidationError`` (a ValueError,
+        like pydantic's), so ``except trio.TrioError`` catches a bad ``Datum(...)`` too."""
+        try:
+            super().__init__(**data)
+        except PydanticValidationError as exc:
+            raise ValidationError(describe_validation_error(exc)) from None
 
 
 # --------------------------------------------------------------------------- tensors
@@ -82,6 +93,13 @@ class TensorData(_Model):
         else:
             data = [float(v) for v in self.data]
         return TensorData.model_construct(data=data, dtype=dtype, shape=self.shape)
+
+    def finite(self) -> TensorData:
+        """This tensor; raises ValueError naming the first NaN or infinity and its index."""
+        bad = next(((k, v) for k, v in enumerate(self.data) if not math.isfinite(v)), None)
+        if bad is not None:
+            raise ValueError(f"contains non-finite value {bad[1]!r} at index {bad[0]}")
+        return self
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> TensorData:
@@ -136,7 +154,8 @@ def loss_input(name: str, value: Any) -> TensorData:
     try:
         tensor = TensorData.coerce(value)
         check_shape(tensor)  # again: a TensorData may have been built without validation
-        return tensor.as_dtype(FIELD_DTYPES[name]) if name in FIELD_DTYPES else tensor
+        # a copy, always: the request must not change when the caller's lists do
+        return tensor.as_dtype(FIELD_DTYPES.get(name, tensor.dtype)).finite()
     except (ValueError, TypeError) as exc:
         raise ValueError(f"loss_fn_inputs[{name!r}]: {exc}") from None
 
@@ -153,6 +172,17 @@ class EncodedTextChunk(_Model):
         return len(self.tokens)
 
 
+def _token_id(k: int, token: Any) -> int:
+    try:
+        value = int(token)
+        whole = bool(value == token)
+    except (TypeError, ValueError):
+        whole = False
+    if not whole:
+        raise ValidationError(f"tokens[{k}]: {token!r} is not a token id (a whole number)")
+    return value
+
+
 class ModelInput(_Model):
     """A token sequence, as chunks (only encoded text for now)."""
 
@@ -160,7 +190,9 @@ class ModelInput(_Model):
 
     @classmethod
     def from_ints(cls, tokens: list[int]) -> ModelInput:
-        return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
+        """Token ids (ints, or numpy / torch integers) as one chunk; anything that is not a
+        whole number (``1.5``, ``"3"``) is refused, not rounded."""
+        return cls(chunks=[EncodedTextChunk(tokens=[_token_id(k, t) for k, t in enumerate(tokens)])])
 
     @classmethod
     def empty(cls) -> ModelInput:
@@ -205,7 +237,14 @@ class LoraConfig(_Model):
     train_unembed: bool = True
 
 
-class AdamParams(_Model):
+class _Finite(_Model):
+    """A request's parameters: NaN and infinities are refused (no finite step or draw comes
+    of them, and JSON cannot carry them to a server)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class AdamParams(_Finite):
     """AdamW hyper-parameters for one ``optim_step`` (defaults as in the user docs)."""
 
     learning_rate: float = 1e-4
@@ -216,7 +255,7 @@ class AdamParams(_Model):
     grad_clip_norm: float = 0.0
 
 
-class SamplingParams(_Model):
+class SamplingParams(_Finite):
     """How to sample.
 
     Attributes:
@@ -507,7 +546,7 @@ class _RunRequest(_Model):
 class ForwardRequest(_RunRequest):
     data: list[Datum]
     loss_fn: str = "cross_entropy"
-    loss_fn_config: dict[str, float] | None = None
+    loss_fn_config: dict[str, Annotated[float, AllowInfNan(False)]] | None = None
 
     @field_validator("data")
     @classmethod
@@ -528,7 +567,9 @@ def checked_datum(i: int, datum: Datum) -> Datum:
         inputs = {key: loss_input(key, value) for key, value in datum.loss_fn_inputs.items()}
     except ValueError as exc:
         raise ValueError(f"data[{i}].{exc}") from None
-    return Datum.model_construct(model_input=datum.model_input, loss_fn_inputs=inputs)
+    tokens = ModelInput.model_construct(chunks=[chunk.model_copy(update={"tokens": list(chunk.tokens)})
+                                                for chunk in datum.model_input.chunks])
+    return Datum.model_construct(model_input=tokens, loss_fn_inputs=inputs)
 
 
 class OptimStepRequest(_RunRequest):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import tarfile
+import threading
 from datetime import datetime, timedelta
 
 import numpy as np
@@ -246,6 +247,78 @@ def test_rest_client(service, tmp_path):
     assert rest.list_checkpoints(tc.model_id) == []
     with pytest.raises(trio.NotFoundError):
         rest.delete_checkpoint(path)
+
+
+def test_a_call_keeps_the_values_it_was_made_with(service):
+    """A loop that reuses one AdamParams and sets the next step's learning rate right after
+    calling optim_step: the step waiting its turn (here behind a custom loss held open)
+    still uses the rate it was called with; the same for SamplingParams and a datum's lists."""
+    tc = trainer(service)
+    release = threading.Event()
+
+    def held_open(data, logprobs):
+        release.wait(60)
+        return sum(lp.sum() for lp in logprobs) * 0, {}
+
+    custom = tc.forward_backward_custom([datum()], held_open)  # holds this client's order
+    params = trio.AdamParams(learning_rate=1e-3)
+    step = tc.optim_step(params)
+    params.learning_rate = 5.0
+    tokens = list(TOKENS)
+    forward = tc.forward([datum(tokens)])
+    tokens[3] = 99  # the datum's lists change too
+    sampling = trio.SamplingParams(max_tokens=1, temperature=0.0)
+    sample = service.create_sampling_client(base_model=MODEL).sample(trio.ModelInput.from_ints(TOKENS), 1, sampling)
+    sampling.max_tokens = 5
+    release.set()
+    custom.result()
+    assert step.result().metrics["learning_rate"] == 1e-3
+    assert forward.result().loss_fn_outputs[0]["logprobs"].tolist() == tc.forward([datum()]).result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert len(sample.result().sequences[0].tokens) == 1
+
+
+def test_non_finite_values_are_refused_when_called_naming_them_and_take_no_place(service):
+    """Over HTTP they could not even be sent (JSON has no NaN), and a call that took its
+    place in the client's order without being sent stalled the next one."""
+    tc = trainer(service)
+    d = datum()
+    d.loss_fn_inputs["weights"] = trio.TensorData.model_construct(data=[1.0, float("nan")] + [1.0] * 7)
+    with pytest.raises(trio.ValidationError, match=r"data\[0\].loss_fn_inputs\['weights'\]: contains non-finite "
+                                                   r"value nan at index 1"):
+        tc.forward_backward([d])
+    params = trio.AdamParams()
+    params.learning_rate = float("inf")  # set after it was built, unvalidated
+    with pytest.raises(trio.ValidationError, match="learning_rate.*finite"):
+        tc.optim_step(params)
+    with pytest.raises(trio.ValidationError, match="loss_fn_config"):
+        tc.forward_backward([datum()], "ppo", {"clip_low_threshold": float("nan")})
+    with pytest.raises(trio.ValidationError, match="temperature.*finite"):
+        trio.SamplingParams(max_tokens=2, temperature=float("inf"))
+    assert tc._order._next_number == 0  # none of them took a number: the next call is not held up
+    assert tc.forward_backward([datum()]).result().metrics["loss:sum"] > 0
+
+
+def test_a_custom_loss_with_a_non_finite_gradient_names_the_datum_and_token(service):
+    tc = trainer(service)
+
+    def bad(data, logprobs):  # sqrt at 0: the value is finite (0), its gradient is not
+        x = logprobs[1][2]
+        return (x - x.detach()).sqrt() + sum(lp.sum() for lp in logprobs), {}
+
+    with pytest.raises(trio.ValidationError, match=r"gradient .* data\[1\]'s logprobs is (nan|-?inf) at token 2"):
+        tc.forward_backward_custom([datum(), datum()], bad).result()
+    with pytest.raises(trio.ValidationError, match="non-finite loss"):
+        tc.forward_backward_custom([datum()], lambda data, lps: (lps[0].sum() * float("nan"), {})).result()
+
+
+def test_the_types_refuse_bad_values_with_the_sdks_validation_error():
+    for make in (lambda: trio.ModelInput.from_ints([1, 2.5]), lambda: trio.ModelInput.from_ints(["3"]),
+                 lambda: trio.Datum(model_input=trio.ModelInput.from_ints([1]), loss_fn_inputs={"target_tokens": [1.5]}),
+                 lambda: trio.AdamParams(learning_rate="fast"), lambda: trio.SamplingParams()):
+        with pytest.raises(trio.ValidationError):
+            make()
+    assert trio.ModelInput.from_ints(np.array([3, 4])).to_ints() == [3, 4]  # numpy integers are token ids
+    assert trio.ModelInput.from_ints([3.0]).to_ints() == [3]
 
 
 def _core_of(request):
