@@ -134,8 +134,13 @@ def checkpoints_list(args: argparse.Namespace) -> None:
 
 
 def checkpoints_download(args: argparse.Namespace) -> None:
+    dest = Path(args.dest)
+    if args.dest.endswith(("/", os.sep)):  # a folder, by its trailing slash: made if need be
+        dest.mkdir(parents=True, exist_ok=True)
+    elif not dest.is_dir() and not dest.parent.is_dir():
+        raise CommandError(f"{args.dest}: its folder {str(dest.parent)!r} does not exist")
     try:
-        target = connect(args).download_checkpoint_archive(args.path, Path(args.dest), progress=not args.quiet)
+        target = connect(args).download_checkpoint_archive(args.path, dest, progress=not args.quiet)
     except NotFoundError as exc:
         raise _not_yours(exc, args) from None
     print(target)
@@ -174,6 +179,12 @@ def unpack(archive: Path, dest: Path) -> Path:
         safe: dict[str, Any] = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
         tar.extractall(dest, members=members, **safe)
     return dest / tops.pop()
+
+
+def checkpoint_path(value: str) -> str:
+    """argparse type: a checkpoint path, ``tinker://`` (the tinker SDK's name for the same
+    checkpoint) taken as ``trio://``."""
+    return "trio://" + value.removeprefix("tinker://") if value.startswith("tinker://") else value
 
 
 # --------------------------------------------------------------------------- formatting
@@ -233,11 +244,13 @@ def add_commands(sub: Any) -> None:
     p = command(csub, "download", checkpoints_download,
                 "download a checkpoint as a .tar, with a progress bar; "
                 "an interrupted download resumes when run again")
-    p.add_argument("path", help="trio://<run-id>/weights/<name> or trio://<run-id>/sampler_weights/<name>")
-    p.add_argument("dest", nargs="?", default=".", help="a folder, or the archive's file name (default: .)")
+    p.add_argument("path", type=checkpoint_path,
+                   help="trio://<run-id>/weights/<name> or trio://<run-id>/sampler_weights/<name>")
+    p.add_argument("dest", nargs="?", default=".",
+                   help="a folder (an existing one, or any ending in /), or the archive's file name (default: .)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p = command(csub, "delete", checkpoints_delete, "delete a checkpoint")
-    p.add_argument("path", help="trio://<run-id>/<kind>/<name>")
+    p.add_argument("path", type=checkpoint_path, help="trio://<run-id>/<kind>/<name>")
 
     p = sub.add_parser("usage", parents=[conn], help="your token usage: trained, prefilled, sampled; per run",
                        description="Tokens your API key's successful requests processed, per run and in "

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     what = ("export a checkpoint as a PEFT adapter folder (adapter_config.json + "
             "adapter_model.safetensors), or with --merge as a standalone Hugging Face model")
     p = sub.add_parser("export", parents=[client_cli.connection_options()], help=what, description=what)
-    p.add_argument("path", help="trio://<run-id>/weights/<name> or trio://<run-id>/sampler_weights/<name>")
+    p.add_argument("path", type=client_cli.checkpoint_path,
+                   help="trio://<run-id>/weights/<name> or trio://<run-id>/sampler_weights/<name>")
     p.add_argument("out", help="the folder to write (must not exist, or be empty)")
     p.add_argument("--merge", action="store_true",
                    help="merge the LoRA into the base model's weights (which must be available "

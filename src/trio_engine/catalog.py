@@ -216,6 +216,17 @@ def load_tokenizer(source: ModelSource) -> Any:
     return AutoTokenizer.from_pretrained(source.name if source.kind == "hub" else source.path)
 
 
+def save_portable_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """``tokenizer.save_pretrained(folder)``, loadable by every transformers release: the
+    config names ``PreTrainedTokenizerFast`` (which reads tokenizer.json alone), not the
+    class this release wrote (5.x writes ``TokenizersBackend``, which 4.x does not know)."""
+    tokenizer.save_pretrained(folder)
+    config_file = Path(folder) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def converted_gguf_folder(source: ModelSource) -> Path:
     """The clean safetensors folder for a packaged GGUF, converting it on first use."""
     out = trio_home() / "models" / source.name.replace("/", "--")

@@ -32,6 +32,7 @@ interrupted export never leaves a folder that looks finished.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -48,6 +49,7 @@ from .catalog import (
     converted_gguf_folder,
     load_model_and_tokenizer,
     load_tokenizer,
+    save_portable_tokenizer,
 )
 from .checkpoint import load_peft_adapter, load_training_state, save_peft_adapter
 from .device import DTYPES
@@ -145,8 +147,9 @@ def export_merged(
         model.to(dtype)
         model.config.dtype = dtype
         model.save_pretrained(tmp, safe_serialization=True)
+        add_legacy_rope_keys(tmp / "config.json")
         say("[trio] 4/4 writing tokenizer and generation config")
-        load_tokenizer(source).save_pretrained(tmp)
+        save_portable_tokenizer(load_tokenizer(source), tmp)
         (tmp / "generation_config.json").unlink(missing_ok=True)  # derived by save_pretrained
         generation = _generation_config(source)
         if generation is not None:
@@ -184,6 +187,21 @@ def merge_into(model: nn.Module, adapter: Adapter) -> bool:
                 untied = True
             layer.weight += adapter.config.scale * (b @ a)  # (out, in)
     return untied
+
+
+def add_legacy_rope_keys(config_file: Path) -> None:
+    """Also write the RoPE settings under their transformers 4 names (``rope_theta``,
+    ``rope_scaling``) beside transformers 5's ``rope_parameters``: 4.x ignores the latter
+    and would load the model with its default theta (10000 for Llama) without a warning,
+    a changed model (SmolLM2's is 100000). 5.x reads either."""
+    config = json.loads(config_file.read_text())
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" not in rope or "rope_theta" in config:
+        return  # no single RoPE (per layer type, say), or already written
+    config["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def untie_output_embeddings(model: Any) -> None:
@@ -240,26 +258,61 @@ def check_output_folder(out: str | Path) -> None:
 
 
 class _StagedFolder:
-    """``with _StagedFolder(out) as tmp:`` write into ``tmp``; on success it becomes ``out``."""
+    """``with _StagedFolder(out) as tmp:`` write into ``tmp``; on success its files become
+    ``out``'s, readable as the user's umask allows (safetensors writes weights 0600)."""
 
     def __init__(self, out: str | Path):
-        self.out = Path(out)
+        self.out = Path(out).resolve()  # "." has no name to make a sibling from
         if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
-            raise ExportError(f"{self.out}: exists and is not an empty folder; choose a new output folder")
+            raise ExportError(f"{out}: exists and is not an empty folder; choose a new output folder")
+        _check_creatable(self.out, str(out))
         self.tmp = self.out.with_name(self.out.name + ".tmp-export")
 
     def __enter__(self) -> Path:
         shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
+        try:
+            self.tmp.mkdir(parents=True)
+        except OSError as exc:
+            raise ExportError(f"cannot create {self.tmp}: {exc.strerror or exc}") from None
         return self.tmp
 
     def __exit__(self, exc_type: object, *_: object) -> None:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
-        if self.out.exists():
-            self.out.rmdir()  # empty, checked on entry
-        self.tmp.rename(self.out)
+        mode = 0o666 & ~_umask()
+        for file in self.tmp.rglob("*"):
+            if file.is_file():
+                file.chmod(mode)
+        if self.out.exists():  # an empty folder (checked on entry), maybe the working directory: kept
+            for child in self.tmp.iterdir():
+                child.rename(self.out / child.name)
+            self.tmp.rmdir()
+        else:
+            self.tmp.rename(self.out)
+
+
+def _check_creatable(folder: Path, given: str) -> None:
+    """Raises ExportError unless ``folder`` exists or can be made: its nearest existing
+    ancestor must be a folder this process may write in."""
+    ancestor = folder.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ExportError(f"{given}: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ExportError(f"{given}: cannot write in {ancestor}")
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux), else the usual 022."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def _stderr(line: str) -> None:

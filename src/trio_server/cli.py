@@ -47,12 +47,21 @@ def engine(value: str) -> str:
 
 def positive(value: str) -> int:
     """argparse type for a count that must be at least 1."""
+    return _at_least(value, 1)
+
+
+def count(value: str) -> int:
+    """argparse type for a count that may be 0."""
+    return _at_least(value, 0)
+
+
+def _at_least(value: str, low: int) -> int:
     try:
         number = int(value)
     except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"invalid count {value!r}: expected a whole number >= 1")
+        number = low - 1
+    if number < low:
+        raise argparse.ArgumentTypeError(f"invalid count {value!r}: expected a whole number >= {low}")
     return number
 
 
@@ -131,6 +140,12 @@ def serve(args: argparse.Namespace) -> None:
         log.warning("AUTHENTICATION IS OFF (--no-auth): anyone who reaches %s:%d acts as one", args.host, args.port)
         log.warning("shared user. Use this for localhost development only.")
         log.warning("=" * 72)
+    # Bind here, so that --port 0 works (the log tells which port the OS chose), and first,
+    # so that a port in use fails before the service starts.
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as exc:
+        sys.exit(f"trio serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     core = ServiceCore(
         _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits_from(args),
         engine=args.engine, ray_address=args.ray_address, device=args.device,
@@ -138,8 +153,6 @@ def serve(args: argparse.Namespace) -> None:
     )
     log.info("data dir %s, database %s, engine %s", core.data_dir,
              core.store.engine.url.render_as_string(hide_password=True), args.engine)
-    # Bind here, so that --port 0 works: the line below tells which port the OS chose.
-    sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     scheme = "https" if args.ssl_certfile else "http"
     log.info("TRIO listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
@@ -150,11 +163,19 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def _store(args: argparse.Namespace) -> Any:
+    import sqlalchemy as sa
+
     from .store import Store
 
-    folder = _data_dir(args.data_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    return Store(args.db or f"sqlite:///{folder / 'trio.db'}")
+    url = args.db
+    if url is None:
+        folder = _data_dir(args.data_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        url = f"sqlite:///{folder / 'trio.db'}"
+    try:
+        return Store(url)
+    except (sa.exc.OperationalError, sa.exc.ArgumentError) as exc:
+        sys.exit(f"trio: cannot open the database {url!r}: {getattr(exc, 'orig', None) or exc}")
 
 
 def keys_list(args: argparse.Namespace) -> None:
@@ -207,13 +228,16 @@ def keys_create(args: argparse.Namespace) -> None:
 def tokenizers_install(args: argparse.Namespace) -> None:
     """Write each catalog model's tokenizer into a Hugging Face hub cache, so that
     ``AutoTokenizer.from_pretrained(name)`` works offline (HF_HUB_OFFLINE=1) on a client."""
-    from trio_engine import Catalog
+    from trio_engine import Catalog, ModelNotAvailableError
 
     cache = Path(args.cache_dir) if args.cache_dir else _hf_hub_cache()
     catalog = Catalog()
     names = args.models or catalog.available()
     for name in names:
-        folder = install_tokenizer(catalog, name, cache)
+        try:
+            folder = install_tokenizer(catalog, name, cache)
+        except ModelNotAvailableError as exc:
+            sys.exit(f"trio tokenizers install: {exc}")
         print(f"{name}: {folder}")
 
 
@@ -230,17 +254,12 @@ def install_tokenizer(catalog: object, name: str, cache: Path) -> Path:
     import shutil
     import tempfile
 
-    from trio_engine.catalog import load_tokenizer
+    from trio_engine.catalog import load_tokenizer, save_portable_tokenizer
 
     source = catalog.resolve(name)  # type: ignore[attr-defined]
-    tokenizer = load_tokenizer(source)
     with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
+        save_portable_tokenizer(load_tokenizer(source), Path(tmp))
         files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
-    config = json.loads(files.get("tokenizer_config.json", b"{}"))
-    # A class that every transformers release loads from tokenizer.json alone.
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    files["tokenizer_config.json"] = json.dumps(config, indent=2).encode()
     files.setdefault("config.json", json.dumps({"model_type": source.config.get("arch", "llama")}).encode())
     digest = hashlib.sha1()
     for fname in sorted(files):
@@ -286,19 +305,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-gap-seconds", type=float, default=None,
                    help="how long a run's later requests wait for a sequence number that never "
                         "arrived before continuing without it (default 30)")
-    p.add_argument("--max-runs-per-user", type=int, metavar="N", help="quota: training runs per API key (default none)")
-    p.add_argument("--max-checkpoint-bytes-per-user", type=int, metavar="BYTES",
+    p.add_argument("--max-runs-per-user", type=positive, metavar="N", help="quota: training runs per API key (default none)")
+    p.add_argument("--max-checkpoint-bytes-per-user", type=positive, metavar="BYTES",
                    help="quota: checkpoint bytes per API key; a save is refused once a user holds this many "
                         "(default none)")
-    p.add_argument("--max-pending-per-user", type=int, metavar="N",
+    p.add_argument("--max-pending-per-user", type=positive, metavar="N",
                    help="queue bound: requests of one API key accepted and not yet finished; past it a submit "
                         "gets 429 with Retry-After (default 256)")
-    p.add_argument("--max-pending-total", type=int, metavar="N",
+    p.add_argument("--max-pending-total", type=positive, metavar="N",
                    help="queue bound: requests of all users accepted and not yet finished (default 4096)")
-    p.add_argument("--max-batch-tokens", type=int, metavar="N",
+    p.add_argument("--max-batch-tokens", type=positive, metavar="N",
                    help="scheduler: tokens one forward/forward_backward/sample batch may hold; a single larger "
                         "request runs alone (default 8192)")
-    p.add_argument("--max-pass-tokens", type=int, metavar="N",
+    p.add_argument("--max-pass-tokens", type=count, metavar="N",
                    help="scheduler: a forward/forward_backward request over N tokens runs as several passes of at "
                         "most N tokens, so other users' steps go between them; 0: never split (default 64; raise it on a GPU)")
     p.add_argument("--max-resident-runs", type=positive, metavar="N",

@@ -39,7 +39,10 @@ def test_max_pass_tokens_flag_and_zero_for_never_split():
 
 
 @pytest.mark.parametrize("argv", [["--device", "gpu"], ["--device", "cuda:x"], ["--engine", "spark"],
-                                  ["--ray-place", "no-resource"], ["--max-resident-runs", "0"]])
+                                  ["--ray-place", "no-resource"], ["--max-resident-runs", "0"],
+                                  ["--max-pending-per-user", "0"], ["--max-pending-total", "-3"],
+                                  ["--max-batch-tokens", "0"], ["--max-pass-tokens", "-1"],
+                                  ["--max-runs-per-user", "x"], ["--max-checkpoint-bytes-per-user", "0"]])
 def test_bad_serve_flags_name_the_value(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])
@@ -59,3 +62,21 @@ def test_serve_fixes_glibcs_mmap_threshold_unless_the_environment_sets_it(monkey
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     assert fix_mmap_threshold() is glibc
+
+
+def test_a_port_in_use_a_bad_database_or_an_unknown_model_is_a_one_line_error(tmp_path):
+    """What the user can fix is said in one line, not a traceback (and before the service
+    starts, for the port)."""
+    from trio_server import cli
+
+    taken = listen("127.0.0.1", 0)
+    try:
+        argv = ["serve", "--port", str(taken.getsockname()[1]), "--data-dir", str(tmp_path)]
+        with pytest.raises(SystemExit, match="cannot listen on 127.0.0.1:.*in use"):
+            cli.main(argv)
+    finally:
+        taken.close()
+    with pytest.raises(SystemExit, match="cannot open the database 'sqlite:////nonexistent/x.db'"):
+        cli.main(["keys", "list", "--db", "sqlite:////nonexistent/x.db"])
+    with pytest.raises(SystemExit, match="trio tokenizers install: .*no/such-model"):
+        cli.main(["tokenizers", "install", "--cache-dir", str(tmp_path / "hub"), "no/such-model"])
