@@ -200,3 +200,76 @@ def test_console_end_to_end(server, browser, tmp_path):
     assert all("finish_reason: " in c.text for c in completions)
     assert "prompt tokens" in driver.find_element(By.ID, "pg-usage").text
     shot("playground")
+
+
+def test_another_key_in_the_same_tab_sees_nothing_of_the_last_one(server, browser):
+    """Log out and in with another key, no reload: the first user's run, checkpoints,
+    playground prompt and models are gone; an answer that arrives after the logout (a
+    Refresh on its way, held here by wrapping fetch) draws nothing. Also a run whose
+    metrics near the largest double draws finite points, and grad_norm is charted."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    svc = trio.ServiceClient(base_url=server.url, api_key=server.key)
+    tc = svc.create_lora_training_client(base_model=MODEL, rank=2, seed=1)
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints(TOKENS[:-1]), loss_fn_inputs={"target_tokens": TOKENS[1:]})
+    for value in (1.7e308, -1.7e308):
+        tc.forward_backward([datum])
+        tc.optim_step()
+        tc.log_metrics({"huge": value})
+    sampler = tc.save_weights_for_sampler("isolation").result().path
+    driver, wait = browser, WebDriverWait(browser, WAIT)
+
+    def css(selector: str) -> list:
+        return driver.find_elements(By.CSS_SELECTOR, selector)
+
+    def log_in(key: str) -> None:
+        box = wait.until(ec.visibility_of_element_located((By.ID, "api-key")))
+        box.clear()
+        box.send_keys(key)
+        driver.find_element(By.ID, "login").click()
+        wait.until(ec.visibility_of_element_located((By.ID, "runs-view")))
+
+    driver.get(server.url + "/console")
+    log_in(server.key)
+    wait.until(lambda d: css(f'#runs tr[data-run-id="{tc.model_id}"] button'))[0].click()
+    wait.until(lambda d: d.find_element(By.ID, "run-view").get_attribute("data-loaded") == tc.model_id)
+    assert css('svg.chart[data-metric="grad_norm"]')  # the service's own metrics are charted too
+    points = css('svg.chart[data-metric="huge"] circle.point')
+    assert len(points) == 2 and all(float(p.get_attribute("cy")) == float(p.get_attribute("cy")) for p in points)
+    assert not [e for e in driver.get_log("browser") if "NaN" in e["message"]]
+    driver.find_element(By.ID, "nav-playground").click()
+    wait.until(lambda d: d.find_element(By.ID, "pg-model").get_attribute("data-loaded"))
+    driver.find_element(By.ID, "pg-prompt").send_keys("alice's private prompt")
+
+    driver.find_element(By.ID, "logout").click()
+    log_in(server.other_key)
+    assert driver.find_element(By.ID, "pg-prompt").get_attribute("value") == ""
+    assert not css("#pg-model option") and not css("#checkpoints tbody tr") and not css("#charts figure")
+    assert driver.find_element(By.ID, "run-summary").text == ""
+    assert tc.model_id not in driver.find_element(By.ID, "runs").text
+    driver.find_element(By.ID, "nav-playground").click()
+    wait.until(lambda d: d.find_element(By.ID, "pg-model").get_attribute("data-loaded"))
+    assert sampler not in [o.get_attribute("value") for o in css("#pg-model option")]
+
+    # a Refresh answered only after the logout
+    driver.execute_script("""
+        const fetch = window.fetch;
+        window.heldOpen = new Promise((resolve) => { window.release = resolve; });
+        window.answered = 0;
+        window.fetch = async (...args) => {
+            await window.heldOpen;
+            const response = await fetch(...args);
+            const body = response.json.bind(response);
+            // counted once the caller's code after its `await ...json()` has run (a task later)
+            response.json = async () => { const v = await body(); setTimeout(() => { window.answered += 1; }, 0); return v; };
+            return response;
+        };
+    """)
+    driver.find_element(By.ID, "nav-runs").click()
+    driver.find_element(By.ID, "logout").click()
+    driver.execute_script("window.release()")
+    wait.until(lambda d: d.execute_script("return window.answered") >= 1)
+    assert driver.find_element(By.ID, "login-view").is_displayed() and not driver.find_element(By.ID, "nav").is_displayed()
+    assert not css("#runs tbody tr")

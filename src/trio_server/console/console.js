@@ -6,8 +6,10 @@
 
 const KEY = "trio.apiKey";
 const SVG = "http://www.w3.org/2000/svg";
-// Service metrics not drawn (the loss is; so is every metric a client logged).
-const NOT_CHARTED = new Set(["tokens", "grad_norm", "learning_rate"]);
+
+// Bumped at every login and logout: an answer that arrives after it is dropped, so no
+// view ever shows what one key read once another key (or none) is in use.
+let session = 0;
 
 const $ = (id) => document.getElementById(id);
 
@@ -105,7 +107,13 @@ function when(iso) {
 
 async function login(event) {
   event.preventDefault();
-  sessionStorage.setItem(KEY, $("api-key").value.trim());
+  const key = $("api-key").value.trim();
+  if (!/^[\x21-\x7e]+$/.test(key)) { // a header cannot carry it, and no key has such characters
+    showError("login-error", new Error("invalid API key"));
+    return;
+  }
+  clearUserViews();
+  sessionStorage.setItem(KEY, key);
   showError("login-error", null);
   try {
     await loadRuns(); // the key is checked by the first call that needs it
@@ -119,17 +127,39 @@ async function login(event) {
 
 function logout() {
   sessionStorage.removeItem(KEY);
-  $("runs").tBodies[0].replaceChildren();
-  $("charts").replaceChildren();
-  $("pg-results").replaceChildren();
+  clearUserViews();
   show("login-view");
+}
+
+// Everything a key's calls filled in, and a new session: answers still on their way are dropped.
+function clearUserViews() {
+  session += 1;
+  $("runs").tBodies[0].replaceChildren();
+  clearRunView();
+  $("pg-results").replaceChildren();
+  $("pg-usage").textContent = "";
+  $("pg-prompt").value = "";
+  $("pg-model").replaceChildren();
+  delete $("pg-model").dataset.loaded;
+  for (const id of ["runs-error", "run-error", "pg-error"]) showError(id, null);
+}
+
+function clearRunView() {
+  $("run-summary").textContent = "";
+  $("charts").replaceChildren();
+  $("checkpoints").tBodies[0].replaceChildren();
+  $("charts-empty").hidden = true;
+  $("checkpoints-empty").hidden = true;
+  delete $("run-view").dataset.loaded;
 }
 
 // -- runs -------------------------------------------------------------------------------
 
 // Throws: login shows the error itself.
 async function loadRuns() {
+  const asked = session;
   const runs = await json("/api/v1/runs");
+  if (asked !== session) return; // logged out (or in as someone else) meanwhile
   showError("runs-error", null);
   const rows = runs.slice().reverse().map((run) => el("tr", { "data-run-id": run.run_id },
     el("td", {}, el("button", { type: "button", class: "link", onclick: () => openRun(run.run_id) }, run.run_id)),
@@ -150,6 +180,8 @@ async function refreshRuns() {
 }
 
 async function openRun(runId) {
+  const asked = session;
+  if ($("run-view").dataset.runId !== runId) clearRunView(); // never another run's data under this id
   $("run-id").textContent = runId;
   $("run-view").dataset.runId = runId;
   showError("run-error", null);
@@ -157,24 +189,26 @@ async function openRun(runId) {
   try {
     const path = `/api/v1/runs/${encodeURIComponent(runId)}`;
     const [run, steps] = await Promise.all([json(path), json(`${path}/metrics`)]);
+    if (asked !== session || $("run-view").dataset.runId !== runId) return; // another run or key since
     $("run-summary").textContent =
       `${run.base_model}, LoRA rank ${run.lora_rank}, step ${run.step}, created ${when(run.created_at)}`;
     drawCharts(steps);
     listCheckpoints(run.checkpoints);
     $("run-view").dataset.loaded = runId;
   } catch (error) {
-    failed("run-error", error);
+    if (asked === session) failed("run-error", error);
   }
 }
 
 // -- charts -----------------------------------------------------------------------------
 
+// Every metric, the loss first: the service's own (tokens, grad_norm, learning_rate, the
+// loss function's ":mean" metrics) and the client's (which replace a service value of the same name).
 function drawCharts(steps) {
-  const series = new Map(); // metric -> [[step, value]], loss first
+  const series = new Map(); // metric -> [[step, value]]
   series.set("loss", []);
   for (const { step, metrics } of steps) {
     for (const [name, value] of Object.entries(metrics)) {
-      if (NOT_CHARTED.has(name) || name.endsWith(":mean")) continue;
       if (!series.has(name)) series.set(name, []);
       series.get(name).push([step, value]);
     }
@@ -189,24 +223,25 @@ function lineChart(name, points) {
   const W = 560, H = 220, left = 64, right = 16, top = 14, bottom = 34;
   const steps = points.map((p) => p[0]);
   const values = points.map((p) => p[1]);
-  let [x0, x1] = [Math.min(...steps), Math.max(...steps)];
-  let [y0, y1] = [Math.min(...values), Math.max(...values)];
+  let [x0, x1] = range(steps);
+  let [y0, y1] = range(values);
   if (x0 === x1) { x0 -= 1; x1 += 1; }
-  if (y0 === y1) { const pad = Math.abs(y0) * 0.1 || 1; y0 -= pad; y1 += pad; }
-  const x = (s) => left + ((s - x0) / (x1 - x0)) * (W - left - right);
-  const y = (v) => H - bottom - ((v - y0) / (y1 - y0)) * (H - top - bottom);
+  if (y0 === y1) { const pad = Math.abs(y0) * 0.1 || 1; y0 = y0 - pad; y1 = y1 + pad; }
+  // Halves, so that values near the largest double (1.7e308) do not overflow their difference.
+  const x = (s) => left + ((s / 2 - x0 / 2) / (x1 / 2 - x0 / 2)) * (W - left - right);
+  const y = (v) => H - bottom - ((v / 2 - y0 / 2) / (y1 / 2 - y0 / 2)) * (H - top - bottom);
 
   const chart = svg("svg", { class: "chart", viewBox: `0 0 ${W} ${H}`, role: "img", "data-metric": name,
     "aria-label": `${name} over ${points.length} steps` });
   chart.append(svg("line", { class: "axis", x1: left, y1: H - bottom, x2: W - right, y2: H - bottom }));
   chart.append(svg("line", { class: "axis", x1: left, y1: top, x2: left, y2: H - bottom }));
   const label = (text, attrs) => { const t = svg("text", attrs); t.textContent = text; chart.append(t); };
-  for (const v of [y0, (y0 + y1) / 2, y1]) {
+  for (const v of [y0, y0 / 2 + y1 / 2, y1]) {
     chart.append(svg("line", { class: "grid", x1: left, y1: y(v), x2: W - right, y2: y(v) }));
     label(formatValue(v), { x: left - 6, y: y(v) + 4, "text-anchor": "end" });
   }
-  const [first, last] = [Math.min(...steps), Math.max(...steps)];
-  const ticks = last - first <= 10 ? steps : [first, Math.round((first + last) / 2), last];
+  const [first, last] = range(steps);
+  const ticks = last - first <= 10 ? steps : [first, Math.round(first / 2 + last / 2), last];
   for (const s of new Set(ticks)) {
     label(String(s), { x: x(s), y: H - bottom + 18, "text-anchor": "middle" });
   }
@@ -220,6 +255,13 @@ function lineChart(name, points) {
     chart.append(dot);
   }
   return el("figure", { class: "chart-box" }, el("figcaption", {}, name), chart);
+}
+
+// [min, max] by a loop: Math.min(...xs) overflows the call stack past ~125k values.
+function range(xs) {
+  let low = Infinity, high = -Infinity;
+  for (const v of xs) { if (v < low) low = v; if (v > high) high = v; }
+  return [low, high];
 }
 
 function formatValue(v) {
@@ -268,16 +310,28 @@ async function remove(checkpoint) {
     await openRun($("run-view").dataset.runId);
   } catch (error) {
     failed("run-error", error);
+    if (error instanceof ApiError && error.status === 404) await relist(); // gone already: its row too
   }
+}
+
+// The run's checkpoints again, keeping the error shown.
+async function relist() {
+  const asked = session, runId = $("run-view").dataset.runId;
+  try {
+    const run = await json(`/api/v1/runs/${encodeURIComponent(runId)}`);
+    if (asked === session && $("run-view").dataset.runId === runId) listCheckpoints(run.checkpoints);
+  } catch (_) { /* the error already shown says enough */ }
 }
 
 // -- playground (the OpenAI-compatible endpoints) ----------------------------------------
 
 async function openPlayground() {
+  const asked = session;
   show("playground-view");
   showError("pg-error", null);
   try {
     const models = (await json("/openai/v1/models")).data.map((m) => m.id);
+    if (asked !== session) return;
     const select = $("pg-model");
     const chosen = select.value;
     const group = (label, ids) => el("optgroup", { label }, ...ids.map((id) => el("option", { value: id }, id)));
@@ -287,6 +341,7 @@ async function openPlayground() {
     if (models.includes(chosen)) select.value = chosen;
     select.dataset.loaded = "true";
   } catch (error) {
+    if (asked !== session) return;
     if (error instanceof ApiError && error.status === 404) {
       error.message = "This server has no OpenAI-compatible endpoints (/openai/v1): the playground needs them.";
     }
@@ -301,19 +356,17 @@ async function complete(event) {
   showError("pg-error", null);
   $("pg-results").replaceChildren();
   $("pg-usage").textContent = "";
-  const number = (id) => Number($(id).value);
-  const body = {
-    model: $("pg-model").value,
-    prompt: $("pg-prompt").value,
-    temperature: number("pg-temperature"),
-    top_p: number("pg-top-p"),
-    max_tokens: number("pg-max-tokens"),
-    n: number("pg-n"),
-  };
+  const asked = session;
+  const body = { model: $("pg-model").value, prompt: $("pg-prompt").value };
+  const fields = { temperature: "pg-temperature", top_p: "pg-top-p", max_tokens: "pg-max-tokens", n: "pg-n" };
+  for (const [name, id] of Object.entries(fields)) { // an empty field: the server's default, not 0
+    if ($(id).value.trim() !== "") body[name] = Number($(id).value);
+  }
   try {
     const out = await json("/openai/v1/completions", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
     });
+    if (asked !== session) return;
     const items = out.choices.map((c) => el("li", { class: "completion", "data-index": c.index },
       el("pre", {}, el("span", { class: "prompt" }, body.prompt), c.text),
       el("small", { class: "muted" }, `finish_reason: ${c.finish_reason}`)));
@@ -323,7 +376,7 @@ async function complete(event) {
         `${out.usage.prompt_tokens} prompt tokens, ${out.usage.completion_tokens} completion tokens`;
     }
   } catch (error) {
-    failed("pg-error", error);
+    if (asked === session) failed("pg-error", error);
   } finally {
     button.disabled = false;
   }
