@@ -92,8 +92,10 @@ class TensorData(_Model):
 
     def finite(self) -> TensorData:
         """This tensor; raises ValueError naming the first NaN or infinity and its index."""
+        if self.dtype == "int64" or math.isfinite(sum(self.data)):  # the sum: one pass in C, the common case
+            return self
         bad = next(((k, v) for k, v in enumerate(self.data) if not math.isfinite(v)), None)
-        if bad is not None:
+        if bad is not None:  # else only the sum overflowed
             raise ValueError(f"contains non-finite value {bad[1]!r} at index {bad[0]}")
         return self
 
@@ -152,7 +154,7 @@ def loss_input(name: str, value: Any) -> TensorData:
         check_shape(tensor)  # again: a TensorData may have been built without validation
         # a copy, always: the request must not change when the caller's lists do
         return tensor.as_dtype(FIELD_DTYPES.get(name, tensor.dtype)).finite()
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OverflowError) as exc:  # OverflowError: an int past float's range
         raise ValueError(f"loss_fn_inputs[{name!r}]: {exc}") from None
 
 
@@ -415,7 +417,13 @@ class CheckpointTTL(_Model):
     ttl_seconds: int | None  # None: kept until deleted
 
 
-class Checkpoint(_Model):
+class _Reply(_Model):
+    """A response that a newer server may extend: fields this SDK does not know are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class Checkpoint(_Reply):
     path: str
     run_id: str
     kind: Literal["weights", "sampler_weights"]
@@ -426,7 +434,7 @@ class Checkpoint(_Model):
     user_metadata: dict[str, str] | None = None
 
 
-class TrainingRun(_Model):
+class TrainingRun(_Reply):
     run_id: str
     base_model: str
     lora_rank: int

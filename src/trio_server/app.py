@@ -102,11 +102,13 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
     def tokenizer(base_model: str) -> t.TokenizerFiles:
         return core.tokenizer_files(base_model)
 
-    @app.get("/api/v1/runs")
+    # Runs and checkpoints go out without their unset (None) fields: an SDK from before a
+    # field was added (checkpoints' expires_at, user_metadata) refuses fields it does not know.
+    @app.get("/api/v1/runs", response_model_exclude_none=True)
     def list_runs(request: Request) -> list[t.TrainingRun]:
         return core.list_runs(user(request))
 
-    @app.get("/api/v1/runs/{run_id}")
+    @app.get("/api/v1/runs/{run_id}", response_model_exclude_none=True)
     def get_run(run_id: str, request: Request) -> t.TrainingRun:
         return core.get_run(user(request), run_id)
 
@@ -126,7 +128,7 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
     def run_usage(run_id: str, request: Request) -> t.RunUsage:
         return core.run_usage(user(request), run_id)
 
-    @app.get("/api/v1/checkpoints")
+    @app.get("/api/v1/checkpoints", response_model_exclude_none=True)
     def list_checkpoints(request: Request, run_id: str | None = None) -> list[t.Checkpoint]:
         return core.list_checkpoints(user(request), run_id)
 
@@ -135,7 +137,7 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
         core.delete_checkpoint(user(request), path)
         return {"deleted": path}
 
-    @app.put("/api/v1/checkpoints/ttl")
+    @app.put("/api/v1/checkpoints/ttl", response_model_exclude_none=True)
     def set_checkpoint_ttl(path: str, body: t.CheckpointTTL, request: Request) -> t.Checkpoint:
         return core.set_checkpoint_ttl(user(request), path, body.ttl_seconds)
 

@@ -36,7 +36,7 @@ from pytrio.errors import describe_validation_error
 from . import checkpoints as ckpt
 from .engine import Engine, EngineSettings, LocalEngine
 from .errors import RESTART_MESSAGE, ServiceError, not_found, over_capacity
-from .handlers import Context, expired, remove_checkpoint, remove_expired_checkpoints
+from .handlers import Context, expired, remove_checkpoint, remove_expired_checkpoints, set_expiry
 from .queueing import QueueInfo, describe
 from .scheduler import WorkItem
 from .store import Store, dumps, later, now
@@ -201,10 +201,10 @@ class ServiceCore:
             log.warning("marked %d in-flight requests failed after restart", len(failed))
         for row in self.store.select(checkpoints_table, kind="ephemeral"):  # they live one service lifetime
             remove_checkpoint(self.store, self.data_dir, row)
-        remove_expired_checkpoints(self.store, self.data_dir)
         from trio_engine.checkpoint import recover_folders
 
         recover_folders(self.data_dir / "checkpoints")  # a checkpoint write the crash interrupted
+        remove_expired_checkpoints(self.store, self.data_dir)  # after: a recovered folder of one goes too
         max_seq = self.store.max_seq_by_run()
         for run in self.store.select(runs_table):
             self.next_seq[run["run_id"]] = max(run["next_seq"], max_seq.get(run["run_id"], -1) + 1)
@@ -447,6 +447,7 @@ class ServiceCore:
             _quota("max_runs_per_user", "runs", used, lim.max_runs_per_user)
         if (isinstance(req, t.SaveWeightsRequest) and req.kind != "ephemeral"
                 and lim.max_checkpoint_bytes_per_user is not None):
+            remove_expired_checkpoints(self.store, self.data_dir)  # expired ones take no room
             used = sum(r["size_bytes"] or 0 for r in self.store.select(checkpoints_table, user_id=item.user_id))
             _quota("max_checkpoint_bytes_per_user", "checkpoint bytes", used, lim.max_checkpoint_bytes_per_user)
 
@@ -669,7 +670,9 @@ class ServiceCore:
             self._run(user_id, run_id)
         remove_expired_checkpoints(self.store, self.data_dir)
         rows = self.store.select(checkpoints_table, order_by="created_at", **where)
-        return [_checkpoint_of(r) for r in rows if r["kind"] != "ephemeral"]  # unnamed sampler weights are not kept
+        # unnamed sampler weights are not checkpoints to keep; an expired one the sweep left
+        # (being saved again right now) is gone already
+        return [_checkpoint_of(r) for r in rows if r["kind"] != "ephemeral" and not expired(r)]
 
     def delete_checkpoint(self, user_id: str, path: str) -> None:
         remove_checkpoint(self.store, self.data_dir, self._checkpoint(user_id, path))
@@ -680,7 +683,8 @@ class ServiceCore:
         if ttl_seconds is not None and not 1 <= ttl_seconds <= t.MAX_TTL_SECONDS:
             raise ServiceError("validation", f"ttl_seconds: must be in [1, {t.MAX_TTL_SECONDS}] or null, got {ttl_seconds}")
         expires_at = None if ttl_seconds is None else later(now(), ttl_seconds)
-        self.store.update(checkpoints_table, "path", path, expires_at=expires_at)
+        if not set_expiry(self.store, path, expires_at):  # expired and swept since it was read
+            raise not_found(f"checkpoint {path!r}")
         return _checkpoint_of(row | {"expires_at": expires_at})
 
     def checkpoint_archive(self, user_id: str, path: str) -> Path:

@@ -8,13 +8,14 @@ no state changes for it. ``execute`` returns the outcomes; the worker resolves t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -328,11 +329,11 @@ def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:
     ``overwrite`` (which replaces its TTL and metadata too) or that checkpoint has expired.
     Ephemeral weights are named by their request's seq (so they sort). Every save also
     removes the checkpoints whose TTL has run out, so a run that saves with TTLs keeps its
-    disk bounded."""
+    disk bounded (archives made for downloads aside)."""
     req: t.SaveWeightsRequest = item.request
     name = req.name or f"{item.seq:010d}"
     path = ckpt.make_path(req.model_id, req.kind, name)
-    with CHECKPOINT_FILES:  # no removal of this path between the check, the write and the record
+    with _writing(path):  # no sweep or delete removes this path until its record is written
         existing = ctx.store.get(checkpoints_table, path=path)
         if existing is not None and not req.overwrite and not expired(existing):
             raise ServiceError("validation", f"name: checkpoint {path!r} already exists; pass overwrite=True to "
@@ -365,10 +366,26 @@ def _expire_ephemeral(ctx: Context, run_id: str) -> None:
         remove_checkpoint(ctx.store, ctx.data_dir, row)
 
 
-# Saves and removals of checkpoints, in whichever thread (a worker saving, a request listing
-# and sweeping expired ones), one at a time: a sweep that read a row as expired must not
-# remove the folder a save of the same path has just written.
-CHECKPOINT_FILES = threading.RLock()
+# Checkpoint paths being written, and the lock over that set and every removal (a record and
+# its folder). A save holds no lock while it writes, which may take long; it holds its path
+# in WRITING, which a sweep skips and a delete refuses: a sweep that read a row as expired
+# must not remove the folder an overwrite of that path has just written.
+CHECKPOINT_FILES = threading.Lock()
+WRITING: set[str] = set()
+
+
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    with CHECKPOINT_FILES:
+        if path in WRITING:
+            raise ServiceError("validation", f"checkpoint {path!r} is being saved by another request; try again "
+                               "once it is done", 409)
+        WRITING.add(path)
+    try:
+        yield
+    finally:
+        with CHECKPOINT_FILES:
+            WRITING.discard(path)
 
 
 def expired(row: dict) -> bool:
@@ -381,17 +398,34 @@ def remove_expired_checkpoints(store: Store, data_dir: Path) -> None:
     the service, as the tinker SDK's ``ttl_seconds`` expects)."""
     for row in store.expired_checkpoints(now()):
         with CHECKPOINT_FILES:
-            if store.get(checkpoints_table, path=row["path"]) != row:  # saved again since it was read
+            if row["path"] in WRITING or store.get(checkpoints_table, path=row["path"]) != row:  # saved again
                 continue
             log.info("checkpoint %s expired at %s: removed", row["path"], row["expires_at"])
-            remove_checkpoint(store, data_dir, row)
+            _remove(store, data_dir, row)
 
 
 def remove_checkpoint(store: Store, data_dir: Path, row: dict) -> None:
-    """Its record, then its folder: a sampler on it fails at its next use."""
+    """Its record, then its folder: a sampler on it fails at its next use. A checkpoint
+    being saved again meanwhile is not removed (409)."""
     with CHECKPOINT_FILES:
-        store.delete(checkpoints_table, path=row["path"])
-        shutil.rmtree(ckpt.folder(data_dir, row["run_id"], row["kind"], row["name"]), ignore_errors=True)
+        if row["path"] in WRITING:
+            raise ServiceError("validation", f"checkpoint {row['path']!r} is being saved; delete it once that is "
+                               "done", 409)
+        _remove(store, data_dir, row)
+
+
+def _remove(store: Store, data_dir: Path, row: dict) -> None:
+    store.delete(checkpoints_table, path=row["path"])
+    shutil.rmtree(ckpt.folder(data_dir, row["run_id"], row["kind"], row["name"]), ignore_errors=True)
+
+
+def set_expiry(store: Store, path: str, expires_at: str | None) -> bool:
+    """Set a checkpoint's ``expires_at``, unless a sweep removed it meanwhile; whether it was set."""
+    with CHECKPOINT_FILES:
+        if store.get(checkpoints_table, path=path) is None:
+            return False
+        store.update(checkpoints_table, "path", path, expires_at=expires_at)
+        return True
 
 
 def _load_weights(ctx: Context, item: WorkItem) -> t.LoadWeightsResponse:

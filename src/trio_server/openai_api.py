@@ -205,10 +205,11 @@ class OpenAIDoor:
     def _check_room(self, user_id: str, prompts: int) -> None:
         """Each prompt is a core request: all of them fit the pending bounds, or none is sent
         (a 400 if they never could: retrying would not help)."""
-        limit = self.core.limits.max_pending_per_user
+        limits = self.core.limits
+        limit = min((n for n in (limits.max_pending_per_user, limits.max_pending_total) if n is not None), default=None)
         if limit is not None and prompts > limit:
             raise w.bad_param("prompt", f"prompt: {prompts} prompts in one call, more than the {limit} requests "
-                              "a user may have pending here; send them in smaller calls")
+                              "that may be pending here; send them in smaller calls")
         try:
             self.core.check_room(user_id, prompts)
         except ServiceError as exc:
@@ -315,11 +316,11 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
 
     @r.get("/models")
     async def list_models(request: Request) -> dict:
-        return {"object": "list", "data": door.models(door.user(request))}
+        return {"object": "list", "data": await asyncio.to_thread(door.models, door.user(request))}
 
     @r.get("/models/{model:path}")
     async def get_model(model: str, request: Request) -> dict:
-        found = [m for m in door.models(door.user(request)) if m["id"] == to_trio_path(model)]
+        found = [m for m in await asyncio.to_thread(door.models, door.user(request)) if m["id"] == to_trio_path(model)]
         if not found:
             raise w.model_not_found(model)
         return found[0]

@@ -397,13 +397,17 @@ ADDED_COLUMNS = {  # table -> columns added since the first release, with their 
 
 
 def _add_missing_columns(engine: sa.Engine) -> None:
-    """Columns added since a database was created (create_all adds only tables)."""
+    """Columns added since a database was created (create_all adds only tables), with the
+    indexes ``metadata`` declares on them."""
     for table, added in ADDED_COLUMNS.items():
         have = {c["name"] for c in sa.inspect(engine).get_columns(table)}
         for name, sql_type in added.items():
             if name not in have:
                 with engine.begin() as c:
                     c.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {name} {sql_type}"))
+                    for index in metadata.tables[table].indexes:
+                        if [col.name for col in index.columns] == [name]:
+                            index.create(c, checkfirst=True)
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

@@ -68,7 +68,7 @@ from .tinker_wire import (
 log = logging.getLogger("trio.tinker")
 
 POLL_SECONDS = 25.0  # under the SDK's 45 s per-poll timeout
-MIN_BYTES_PER_TOKEN = 12  # the SDK's estimate of a datum: 4 bytes a token, + 8 for int64 target_tokens
+MIN_BYTES_PER_TOKEN = 8  # the SDK's estimate of a datum: 4 bytes a token, + at least 4 for its target
 KEY_PREFIX = "tml-"
 PROTO = "application/x-protobuf"
 LOCAL_PREFIX = "tinker-"  # request ids of futures this module holds, not the core
@@ -421,8 +421,8 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     async def client_config(request: Request) -> dict:
         user(request)
         # Chunks of one forward_backward in seq order; plain httpx transport. The SDK also
-        # cuts a chunk at an estimate of its bytes: at least 12 a token (an int32 input, an
-        # int64 target), so this bound keeps every chunk within max_tokens_per_request.
+        # cuts a chunk at an estimate of its bytes: at least 8 a token (an int32 input, a
+        # target of 4 bytes or more), so this bound keeps every chunk within max_tokens_per_request.
         return {"parallel_fwdbwd_chunks": False, "use_pyqwest_transport": False,
                 "fwdbwd_max_chunk_len": core.limits.max_batch_size,
                 "fwdbwd_max_chunk_bytes_count": MIN_BYTES_PER_TOKEN * core.limits.max_tokens_per_request}
@@ -484,7 +484,7 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     @r.post("/get_info")
     async def get_info(body: _Body, request: Request) -> dict:
         user_id, b = user(request), body.model_dump()
-        run = core.get_run(user_id, await door.core_id(user_id, need(b, "model_id"), "model"))
+        run = await asyncio.to_thread(core.get_run, user_id, await door.core_id(user_id, need(b, "model_id"), "model"))
         return {"type": "get_info", "model_id": need(b, "model_id"), "is_lora": True, "lora_rank": run.lora_rank,
                 "model_name": run.base_model,
                 "model_data": {"model_name": run.base_model, "tokenizer_id": run.base_model}}
@@ -698,13 +698,15 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     @r.get("/training_runs/{training_run_id}")
     async def get_training_run(training_run_id: str, request: Request) -> dict:
         user_id = user(request)
-        return _tinker_run(core, door, user_id, core.get_run(user_id, await run_id_of(user_id, training_run_id)))
+        run = await asyncio.to_thread(core.get_run, user_id, await run_id_of(user_id, training_run_id))
+        return _tinker_run(core, door, user_id, run)
 
     @r.get("/training_runs/{training_run_id}/checkpoints")
     async def run_checkpoints(training_run_id: str, request: Request) -> dict:
         user_id = user(request)
         run_id = await run_id_of(user_id, training_run_id)
-        return {"checkpoints": [_tinker_checkpoint(c) for c in core.list_checkpoints(user_id, run_id)]}
+        checkpoints = await asyncio.to_thread(core.list_checkpoints, user_id, run_id)  # may remove expired ones
+        return {"checkpoints": [_tinker_checkpoint(c) for c in checkpoints]}
 
     @r.get("/checkpoints")
     def user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
@@ -716,14 +718,18 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     async def delete_checkpoint(training_run_id: str, kind: str, name: str, request: Request) -> Response:
         user_id = user(request)
         run_id = await run_id_of(user_id, training_run_id)
-        core.delete_checkpoint(user_id, f"trio://{run_id}/{kind}/{name}")
+        await asyncio.to_thread(core.delete_checkpoint, user_id, f"trio://{run_id}/{kind}/{name}")
         return Response(status_code=204)
 
     @r.put("/training_runs/{training_run_id}/checkpoints/{kind}/{name}/ttl")
     async def set_checkpoint_ttl(training_run_id: str, kind: str, name: str, body: _Body, request: Request) -> dict:
         user_id = user(request)
         run_id = await run_id_of(user_id, training_run_id)
-        checkpoint = core.set_checkpoint_ttl(user_id, f"trio://{run_id}/{kind}/{name}", body.model_dump().get("ttl_seconds"))
+        b = body.model_dump()
+        ttl = b.get("ttl_seconds")
+        if "ttl_seconds" not in b or not (ttl is None or type(ttl) is int):
+            raise ServiceError("validation", f"ttl_seconds: a whole number of seconds, or null for none; got {ttl!r}")
+        checkpoint = await asyncio.to_thread(core.set_checkpoint_ttl, user_id, f"trio://{run_id}/{kind}/{name}", ttl)
         return _tinker_checkpoint(checkpoint)
 
     @r.post("/weights_info")

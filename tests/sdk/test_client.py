@@ -323,6 +323,8 @@ def test_the_types_refuse_bad_values():
                  lambda: trio.AdamParams(learning_rate=float("nan"))):
         with pytest.raises(ValueError):
             make()
+    with pytest.raises(ValueError, match="weights"):  # an int past float's range: not an OverflowError
+        trio.Datum(model_input=trio.ModelInput.from_ints([1]), loss_fn_inputs={"target_tokens": [1], "weights": [10**400]})
     assert trio.ModelInput.from_ints(np.array([3, 4])).to_ints() == [3, 4]  # numpy integers are token ids
     assert trio.ModelInput.from_ints([3.0]).to_ints() == [3]
 
@@ -332,6 +334,36 @@ def _core_of(request):
     if request.node.callspec.params["service"] == "local":
         return request.getfixturevalue("local_core")
     return request.getfixturevalue("http_server").core
+
+
+def test_a_checkpoint_without_ttl_or_metadata_goes_out_without_those_fields():
+    """An SDK from before they were added refuses fields it does not know; this one ignores
+    what a newer server may add."""
+    import tempfile
+
+    import httpx
+
+    from trio_server.app import create_app
+    from trio_server.core import ServiceCore
+
+    from .conftest import ServerThread
+
+    with tempfile.TemporaryDirectory() as tmp:
+        core = ServiceCore(tmp, dtype="float32")
+        server = ServerThread(create_app(core, auth=False))
+        try:
+            svc = trio.ServiceClient(base_url=server.url, api_key="any")
+            tc = trainer(svc)
+            tc.save_state("plain").result()
+            listed = httpx.get(server.url + "/api/v1/checkpoints").json()
+            assert len(listed) == 1 and "expires_at" not in listed[0] and "user_metadata" not in listed[0]
+            run = httpx.get(server.url + f"/api/v1/runs/{tc.model_id}").json()
+            assert "expires_at" not in run["checkpoints"][0]
+        finally:
+            server.stop()
+            core.close()
+    future = trio.Checkpoint.model_validate({**listed[0], "a_future_field": 1})
+    assert future.path == listed[0]["path"]
 
 
 def test_a_checkpoint_with_a_ttl_lists_when_it_expires_and_is_removed_once_it_has(service, request):

@@ -816,3 +816,58 @@ def test_a_script_that_never_closes_its_core_stops_its_workers_at_exit(tmp_path)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["exiting", "worker stopped, thread alive: False"], done.stdout
+
+
+def test_a_checkpoint_being_saved_holds_up_no_other_checkpoint_work_and_is_not_swept(tmp_path, monkeypatch):
+    """A save writes without holding the checkpoints' lock: listing, deleting another
+    checkpoint and sweeping expired ones go on meanwhile (they used to wait for the whole
+    write, on the server's event loop); the path being written is skipped by a sweep and
+    refused to a delete (409) until its record is in."""
+    from trio_server.errors import ServiceError
+    from trio_server.handlers import remove_checkpoint
+    from trio_server.store import checkpoints
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    try:
+        svc = trio.ServiceClient(transport=LocalTransport(core))
+        tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
+        other = tc.save_state("other").result().path
+        path = tc.save_state("slow").result().path
+        core.store.update(checkpoints, "path", path, expires_at="2000-01-01T00:00:00.000+00:00")  # expired
+        engine = core.workers[MODEL].engine
+        started, release = threading.Event(), threading.Event()
+        real = engine.save_state
+
+        def held(run_id, folder):
+            started.set()
+            release.wait(60)
+            return real(run_id, folder)
+
+        monkeypatch.setattr(engine, "save_state", held)
+        saving = tc.save_state("slow")  # an expired name is free again: written over
+        assert started.wait(60)
+        assert {c.path for c in core.list_checkpoints("local")} == {other}  # the sweep skipped "slow"
+        assert core.checkpoint_dir(tc.model_id, "weights", "slow").exists()
+        with pytest.raises(ServiceError, match="is being saved"):
+            remove_checkpoint(core.store, core.data_dir, core.store.get(checkpoints, path=path))
+        core.delete_checkpoint("local", other)  # another checkpoint: at once
+        release.set()
+        assert saving.result().path == path
+        assert [c.path for c in core.list_checkpoints("local")] == [path]
+    finally:
+        core.close()
+
+
+def test_expired_checkpoints_take_no_room_in_the_byte_quota(tmp_path):
+    from trio_server.store import checkpoints
+
+    core = ServiceCore(tmp_path, dtype="float32", limits=Limits(max_checkpoint_bytes_per_user=1))
+    try:
+        tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+        path = tc.save_state("first").result().path  # at the quota from now on
+        with pytest.raises(trio.ValidationError, match="max_checkpoint_bytes_per_user"):
+            tc.save_state("second").result()
+        core.store.update(checkpoints, "path", path, expires_at="2000-01-01T00:00:00.000+00:00")
+        assert tc.save_state("third").result().path.endswith("/third")
+    finally:
+        core.close()

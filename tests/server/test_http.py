@@ -339,3 +339,6 @@ def test_openai_prompts_that_do_not_all_fit_the_queue_are_refused_whole(tight):
         fb.result()
     r = httpx.post(completions, headers=headers, json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 1})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    tight.core.limits = dataclasses.replace(tight.core.limits, max_pending_per_user=None, max_pending_total=3)
+    r = httpx.post(completions, headers=headers, json={"model": MODEL, "prompt": ["a", "b", "c", "d"], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text  # the total bound: never a 429

@@ -116,6 +116,8 @@ def test_a_database_made_before_checkpoint_ttls_gains_their_columns(db_url):
     assert store.get(checkpoints, path="trio://r/weights/a") == {
         "path": "trio://r/weights/a", "user_id": "u", "run_id": "r", "kind": "weights", "name": "a",
         "created_at": "2026-01-01", "size_bytes": 1, "expires_at": None, "user_metadata": None}
+    indexes = {i["name"] for i in sa.inspect(store.engine).get_indexes("checkpoints")}
+    assert "ix_checkpoints_expires_at" in indexes  # the sweep on every save and listing uses it
     store.update(checkpoints, "path", "trio://r/weights/a", expires_at="2026-01-02")
     assert [r["path"] for r in store.expired_checkpoints("2026-01-03")] == ["trio://r/weights/a"]
     assert store.expired_checkpoints("2026-01-01T12") == []

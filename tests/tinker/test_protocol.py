@@ -135,6 +135,18 @@ def test_a_session_lists_its_runs_and_samplers(alice, bob):
     assert bob.get(f"sessions/{session}").status_code == 404
 
 
+def test_a_checkpoint_ttl_must_be_whole_seconds_or_null(alice):
+    _, model_id = alice.new_model()
+    saved = alice.result(alice.post("save_weights", {"model_id": model_id, "path": "ttl", "seq_id": 1}).json()["request_id"])
+    route = "training_runs/{}/checkpoints/{}/ttl".format(*saved.json()["path"].removeprefix("tinker://").split("/", 1))
+    put = lambda body: httpx.put(alice.url + route, json=body, headers={"X-API-Key": alice.key})  # noqa: E731
+    for bad in ({"ttl_seconds": "3600"}, {"ttl_seconds": 1.5}, {"ttl_seconds": True}, {}):
+        reply = put(bad)
+        assert reply.status_code == 400 and "ttl_seconds" in reply.text, (bad, reply.text)
+    assert put({"ttl_seconds": 3600}).json()["expires_at"] is not None
+    assert put({"ttl_seconds": None}).json()["expires_at"] is None
+
+
 def test_publishing_a_checkpoint_is_refused_with_a_reason(alice):
     _, model_id = alice.new_model()
     saved = alice.result(alice.post("save_weights", {"model_id": model_id, "path": "pub", "seq_id": 1}).json()["request_id"])
