@@ -89,11 +89,15 @@ def folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+def archive_file(out_dir: Path, run_id: str, kind: str, name: str) -> Path:
+    """Where ``archive`` keeps a checkpoint's archive."""
+    return out_dir / f"{run_id}-{kind}-{name}.tar"
+
+
 def archive(folder: Path, out_dir: Path) -> Path:
     """``<run>-<kind>-<name>.tar`` of the folder, rebuilt only when the folder changed."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    kind, run = folder.parent.name, folder.parent.parent.name
-    target = out_dir / f"{run}-{kind}-{folder.name}.tar"
+    target = archive_file(out_dir, folder.parent.parent.name, folder.parent.name, folder.name)
     newest = max((p.stat().st_mtime for p in folder.rglob("*")), default=0)
     if not target.exists() or target.stat().st_mtime < newest:
         tmp = target.with_suffix(".tmp")

@@ -328,8 +328,8 @@ def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:
     """Save a checkpoint; a used name is refused, before anything is written, unless
     ``overwrite`` (which replaces its TTL and metadata too) or that checkpoint has expired.
     Ephemeral weights are named by their request's seq (so they sort). Every save also
-    removes the checkpoints whose TTL has run out, so a run that saves with TTLs keeps its
-    disk bounded (archives made for downloads aside)."""
+    removes the checkpoints whose TTL has run out (and the archives made to download them),
+    so a run that saves with TTLs keeps its disk bounded."""
     req: t.SaveWeightsRequest = item.request
     name = req.name or f"{item.seq:010d}"
     path = ckpt.make_path(req.model_id, req.kind, name)
@@ -417,6 +417,7 @@ def remove_checkpoint(store: Store, data_dir: Path, row: dict) -> None:
 def _remove(store: Store, data_dir: Path, row: dict) -> None:
     store.delete(checkpoints_table, path=row["path"])
     shutil.rmtree(ckpt.folder(data_dir, row["run_id"], row["kind"], row["name"]), ignore_errors=True)
+    ckpt.archive_file(data_dir / "archives", row["run_id"], row["kind"], row["name"]).unlink(missing_ok=True)
 
 
 def set_expiry(store: Store, path: str, expires_at: str | None) -> bool:

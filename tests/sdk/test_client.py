@@ -233,7 +233,7 @@ def test_bad_input_errors(service):
     assert tc.forward_backward([datum()]).result().metrics["loss:sum"] > 0
 
 
-def test_rest_client(service, tmp_path):
+def test_rest_client(service, tmp_path, request):
     tc = trainer(service)
     path = tc.save_state("rest-ckpt").result().path
     rest = service.create_rest_client()
@@ -243,8 +243,11 @@ def test_rest_client(service, tmp_path):
     archive = rest.download_checkpoint_archive(path, tmp_path, progress=False)
     with tarfile.open(archive) as tar:
         assert {"rest-ckpt/adapter.safetensors", "rest-ckpt/trio_state.json"} <= set(tar.getnames())
+    archives = _core_of(request).data_dir / "archives"
+    assert any(p.name.startswith(tc.model_id) for p in archives.iterdir())  # built for the download
     rest.delete_checkpoint(path)
     assert rest.list_checkpoints(tc.model_id) == []
+    assert not any(p.name.startswith(tc.model_id) for p in archives.iterdir())  # and removed with it
     with pytest.raises(trio.NotFoundError):
         rest.delete_checkpoint(path)
 
