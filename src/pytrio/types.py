@@ -411,10 +411,12 @@ class Usage(TokenUsage):
 
 
 MAX_TTL_SECONDS = 3650 * 86400  # ten years, as tinker's
+# A checkpoint's time to live: whole seconds (strict: "3600", 1.5 and True are refused)
+TTLSeconds = Annotated[int, Strict(), Field(ge=1, le=MAX_TTL_SECONDS)]
 
 
 class CheckpointTTL(_Model):
-    ttl_seconds: int | None  # None: kept until deleted
+    ttl_seconds: TTLSeconds | None  # None: kept until deleted
 
 
 class _Reply(_Model):
@@ -587,7 +589,7 @@ class SaveWeightsRequest(_RunRequest):
     name: str | None = None
     kind: Literal["weights", "sampler_weights", "ephemeral"]
     overwrite: bool = False  # False: a used name is refused (409)
-    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL_SECONDS)  # removed this long after the save; None: kept
+    ttl_seconds: TTLSeconds | None = None  # removed this long after the save; None: kept
     user_metadata: dict[str, str] | None = None  # kept with the checkpoint, listed with it
 
     @field_validator("name")

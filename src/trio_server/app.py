@@ -139,7 +139,7 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
 
     @app.put("/api/v1/checkpoints/ttl", response_model_exclude_none=True)
     def set_checkpoint_ttl(path: str, body: t.CheckpointTTL, request: Request) -> t.Checkpoint:
-        return core.set_checkpoint_ttl(user(request), path, body.ttl_seconds)
+        return core.set_checkpoint_ttl(user(request), path, body)
 
     @app.get("/api/v1/checkpoints/archive")
     def checkpoint_archive(path: str, request: Request) -> FileResponse:

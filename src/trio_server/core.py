@@ -25,7 +25,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pydantic
 import sqlalchemy as sa
@@ -51,6 +51,8 @@ log = logging.getLogger("trio.server")
 
 KEEP_FINISHED_SECONDS = 600.0
 KEEP_FINISHED_MAX = 10_000
+
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ class ServiceCore:
             check_cluster(device, self.ray_placement)
         self.lock = threading.RLock()
         self.workers: dict[str, HostWorker] = {}
+        self.contexts: dict[str, int] = {}  # base model -> context_length
         self.futures: dict[str, concurrent.futures.Future[Outcome]] = {}
         self.owners: dict[str, str] = {}  # request_id -> user_id, for in-memory futures
         self.idempotency: dict[tuple[str, str], str] = {}
@@ -348,11 +351,7 @@ class ServiceCore:
 
     @staticmethod
     def _parse(op: str, body: Any) -> pydantic.BaseModel:
-        model = t.OPERATIONS[op][0]
-        try:
-            return body if isinstance(body, model) else model.model_validate(body)
-        except pydantic.ValidationError as exc:
-            raise ServiceError("validation", f"{op}: {describe_validation_error(exc)}", 422) from None
+        return _validated(t.OPERATIONS[op][0], body, f"{op}: ")
 
     # -- routing: which run, sampler and model host a request belongs to ------------
 
@@ -618,32 +617,35 @@ class ServiceCore:
 
     def context_length(self, base_model: str) -> int:
         """The most tokens one sequence (prompt + sampled) may have on this base model: the
-        smaller of the model's own context and ``Limits.max_seq_len``. Loads the model."""
-        self._check_model(base_model)
-        info = self._worker(base_model).engine.load()
-        return min(int(info["max_seq_len"]), self.limits.max_seq_len)
+        smaller of the model's own context and ``Limits.max_seq_len``. Loads the model the
+        first time; every front door reads it from here."""
+        if base_model not in self.contexts:
+            self._check_model(base_model)
+            info = self._worker(base_model).engine.load()
+            self.contexts[base_model] = min(int(info["max_seq_len"]), self.limits.max_seq_len)
+        return self.contexts[base_model]
 
     def list_runs(self, user_id: str) -> list[t.TrainingRun]:
+        remove_expired_checkpoints(self.store, self.data_dir)  # once for all the runs
         return [self._training_run(r) for r in self.store.select(runs_table, user_id=user_id, order_by="created_at")]
 
     def get_run(self, user_id: str, run_id: str) -> t.TrainingRun:
-        return self._training_run(self._run(user_id, run_id))
+        row = self._run(user_id, run_id)
+        remove_expired_checkpoints(self.store, self.data_dir)
+        return self._training_run(row)
 
     def _training_run(self, row: dict) -> t.TrainingRun:
         return t.TrainingRun(
             run_id=row["run_id"], base_model=row["base_model"], lora_rank=json.loads(row["lora_config"])["rank"],
             created_at=row["created_at"], last_request_at=row["last_request_at"], step=row["step"],
-            checkpoints=self.list_checkpoints(row["user_id"], row["run_id"]),
+            checkpoints=self._kept_checkpoints(user_id=row["user_id"], run_id=row["run_id"]),
         )
 
     def log_metrics(self, user_id: str, run_id: str, body: Any) -> t.LogMetricsResponse:
         """Record a client's metrics for one step of its run (``step`` None: the run's
         current step). Validated first, then the run's owner checked: nothing is
         recorded for a bad body or another user's run."""
-        try:
-            req = body if isinstance(body, t.LogMetricsRequest) else t.LogMetricsRequest.model_validate(body)
-        except pydantic.ValidationError as exc:
-            raise ServiceError("validation", describe_validation_error(exc), 422) from None
+        req = _validated(t.LogMetricsRequest, body)
         run = self._run(user_id, run_id)
         step = run["step"] if req.step is None else req.step
         self.store.put_metrics(run_id, step, "client", req.metrics)
@@ -669,6 +671,9 @@ class ServiceCore:
         if run_id:
             self._run(user_id, run_id)
         remove_expired_checkpoints(self.store, self.data_dir)
+        return self._kept_checkpoints(**where)
+
+    def _kept_checkpoints(self, **where: str) -> list[t.Checkpoint]:
         rows = self.store.select(checkpoints_table, order_by="created_at", **where)
         # unnamed sampler weights are not checkpoints to keep; an expired one the sweep left
         # (being saved again right now) is gone already
@@ -677,11 +682,11 @@ class ServiceCore:
     def delete_checkpoint(self, user_id: str, path: str) -> None:
         remove_checkpoint(self.store, self.data_dir, self._checkpoint(user_id, path))
 
-    def set_checkpoint_ttl(self, user_id: str, path: str, ttl_seconds: int | None) -> t.Checkpoint:
-        """The checkpoint expires ``ttl_seconds`` from now (None: never); 404 unless it is this user's."""
+    def set_checkpoint_ttl(self, user_id: str, path: str, body: Any) -> t.Checkpoint:
+        """The checkpoint expires ``body.ttl_seconds`` from now (None: never); 404 unless it
+        is this user's. ``body``: a ``CheckpointTTL`` or what validates as one."""
+        ttl_seconds = _validated(t.CheckpointTTL, body).ttl_seconds
         row = self._checkpoint(user_id, path)
-        if ttl_seconds is not None and not 1 <= ttl_seconds <= t.MAX_TTL_SECONDS:
-            raise ServiceError("validation", f"ttl_seconds: must be in [1, {t.MAX_TTL_SECONDS}] or null, got {ttl_seconds}")
         expires_at = None if ttl_seconds is None else later(now(), ttl_seconds)
         if not set_expiry(self.store, path, expires_at):  # expired and swept since it was read
             raise not_found(f"checkpoint {path!r}")
@@ -698,6 +703,14 @@ class ServiceCore:
         atexit.unregister(self.close)
         for worker in list(self.workers.values()):
             worker.stop()
+
+
+def _validated(model: type[M], body: Any, prefix: str = "") -> M:
+    """``body`` as ``model`` (a model already is one); a 422 naming the field if it is not."""
+    try:
+        return body if isinstance(body, model) else model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        raise ServiceError("validation", prefix + describe_validation_error(exc), 422) from None
 
 
 def _checkpoint_of(row: dict) -> t.Checkpoint:

@@ -105,13 +105,12 @@ def from_service(exc: ServiceError, model: str | None = None) -> w.OpenAIError:
 
 
 class OpenAIDoor:
-    """Translation state: samplers per (user, model), tokenizers and contexts per base model."""
+    """Translation state: samplers per (user, model), tokenizers per base model."""
 
     def __init__(self, core: ServiceCore, auth: bool):
         self.core, self.auth = core, auth
         self.samplers: OrderedDict[tuple[str, str], Served] = OrderedDict()
         self.codecs: dict[str, w.Codec] = {}
-        self.contexts: dict[str, int] = {}
         self.making: dict[tuple, asyncio.Future] = {}
         self.started = int(time.time())
 
@@ -183,10 +182,8 @@ class OpenAIDoor:
         return w.Codec.of(files.load(self.core.data_dir / "openai" / "tokenizers"))
 
     async def context(self, base_model: str) -> int:
-        if base_model not in self.contexts:
-            self.contexts[base_model] = await self._once(
-                ("context", base_model), lambda: asyncio.to_thread(self.core.context_length, base_model))
-        return self.contexts[base_model]
+        # one thread for the callers while the model loads (the core keeps the answer)
+        return await self._once(("context", base_model), lambda: asyncio.to_thread(self.core.context_length, base_model))
 
     # -- sampling --------------------------------------------------------------------
 

@@ -149,7 +149,6 @@ class TinkerDoor:
         self.local_by_key: dict[tuple[str, str], str] = {}
         self.known: dict[tuple[str, str], str] = {}  # (user, tinker id) -> core id; never changes once set
         self.ops: dict[str, str] = {}  # core request id -> op, for the requests made here (recent ones)
-        self.contexts: dict[str, int] = {}  # base model -> its context (context_of_sampler)
 
     # -- auth --------------------------------------------------------------------------------
 
@@ -329,9 +328,7 @@ class TinkerDoor:
         row = self.core.store.get(samplers_table, sampler_id=sampler_id)
         if row is None:
             raise not_found(f"sampler {sampler_id!r}")
-        if row["base_model"] not in self.contexts:
-            self.contexts[row["base_model"]] = await asyncio.to_thread(self.core.context_length, row["base_model"])
-        return self.contexts[row["base_model"]]
+        return await asyncio.to_thread(self.core.context_length, row["base_model"])
 
     async def open_sampler(self, user_id: str, sampling_session_id: str, body: dict,
                            wait_for_room: bool = False) -> str:
@@ -725,11 +722,8 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     async def set_checkpoint_ttl(training_run_id: str, kind: str, name: str, body: _Body, request: Request) -> dict:
         user_id = user(request)
         run_id = await run_id_of(user_id, training_run_id)
-        b = body.model_dump()
-        ttl = b.get("ttl_seconds")
-        if "ttl_seconds" not in b or not (ttl is None or type(ttl) is int):
-            raise ServiceError("validation", f"ttl_seconds: a whole number of seconds, or null for none; got {ttl!r}")
-        checkpoint = await asyncio.to_thread(core.set_checkpoint_ttl, user_id, f"trio://{run_id}/{kind}/{name}", ttl)
+        path = f"trio://{run_id}/{kind}/{name}"
+        checkpoint = await asyncio.to_thread(core.set_checkpoint_ttl, user_id, path, body.model_dump())
         return _tinker_checkpoint(checkpoint)
 
     @r.post("/weights_info")

@@ -68,6 +68,15 @@ class Client:
         assert self.result(submitted["request_id"]).json() == {"model_id": submitted["model_id"], "type": "create_model"}
         return session, submitted["model_id"]
 
+    def new_sampling_session(self, session: str) -> str:
+        opened = self.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                       "base_model": TINY, "type": "create_sampling_session"})
+        return opened.json()["sampling_session_id"]
+
+    def asample(self, ssid: str, num_samples: int, **sampling_params) -> httpx.Response:
+        return self.post("asample", {"sampling_session_id": ssid, "seq_id": 0, "num_samples": num_samples,
+                                     "prompt": {"chunks": [{"tokens": TOKENS}]}, "sampling_params": sampling_params})
+
     def forward_backward(self, model_id: str, seq_id: int, loss_fn: str = "cross_entropy",
                          tokens: list[int] = TOKENS) -> httpx.Response:
         datum = tt.Datum(model_input=tt.ModelInput.from_ints(tokens[:-1]),
@@ -123,13 +132,12 @@ def test_session_routes(alice):
 
 def test_a_session_lists_its_runs_and_samplers(alice, bob):
     session, model_id = alice.new_model()
-    opened = alice.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
-                                                     "base_model": TINY}).json()
+    ssid = alice.new_sampling_session(session)
     assert alice.result(alice.forward_backward(model_id, 1).json()["request_id"]).status_code == 200
     described = alice.get(f"sessions/{session}").json()
     run_id = alice.get("training_runs").json()["training_runs"][-1]["training_run_id"]
     assert described["training_run_ids"] == [run_id] and len(described["sampler_ids"]) == 1
-    assert alice.get(f"samplers/{opened['sampling_session_id']}").status_code == 200
+    assert alice.get(f"samplers/{ssid}").status_code == 200
     assert session in alice.get("sessions?limit=1000").json()["sessions"]
     assert session not in bob.get("sessions").json()["sessions"]
     assert bob.get(f"sessions/{session}").status_code == 404
@@ -140,9 +148,10 @@ def test_a_checkpoint_ttl_must_be_whole_seconds_or_null(alice):
     saved = alice.result(alice.post("save_weights", {"model_id": model_id, "path": "ttl", "seq_id": 1}).json()["request_id"])
     route = "training_runs/{}/checkpoints/{}/ttl".format(*saved.json()["path"].removeprefix("tinker://").split("/", 1))
     put = lambda body: httpx.put(alice.url + route, json=body, headers={"X-API-Key": alice.key})  # noqa: E731
-    for bad in ({"ttl_seconds": "3600"}, {"ttl_seconds": 1.5}, {"ttl_seconds": True}, {}):
+    for bad in ({"ttl_seconds": "3600"}, {"ttl_seconds": 1.5}, {"ttl_seconds": True}, {}, {"ttl_seconds": 0},
+                {"ttl_seconds": 3650 * 86400 + 1}):
         reply = put(bad)
-        assert reply.status_code == 400 and "ttl_seconds" in reply.text, (bad, reply.text)
+        assert reply.status_code == 422 and "ttl_seconds" in reply.text, (bad, reply.text)
     assert put({"ttl_seconds": 3600}).json()["expires_at"] is not None
     assert put({"ttl_seconds": None}).json()["expires_at"] is None
 
@@ -157,10 +166,7 @@ def test_publishing_a_checkpoint_is_refused_with_a_reason(alice):
 
 def test_zero_samples_are_refused_not_taken_as_one(alice):
     session, _ = alice.new_model()
-    ssid = alice.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
-                                                  "base_model": TINY}).json()["sampling_session_id"]
-    submitted = alice.post("asample", {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 0,
-                                       "prompt": {"chunks": [{"tokens": TOKENS}]}, "sampling_params": {"max_tokens": 1}})
+    submitted = alice.asample(alice.new_sampling_session(session), 0, max_tokens=1)
     failed = alice.result(submitted.json()["request_id"]).json()
     assert failed["category"] == "user" and "num_samples" in failed["error"]
 
@@ -232,10 +238,7 @@ def test_limits_fail_the_future_naming_the_limit(alice, server):
     too_long = alice.forward_backward(model_id, 1, tokens=[5] * (server.core.limits.max_seq_len + 2)).json()
     assert "max_seq_len" in alice.result(too_long["request_id"]).json()["error"]
     assert alice.result(alice.optim_step(model_id, 2).json()["request_id"]).status_code == 200  # seq 1 was not lost
-    ssid = alice.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
-                                                  "base_model": TINY}).json()["sampling_session_id"]
-    many = alice.post("asample", {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 10_000,
-                                  "prompt": {"chunks": [{"tokens": TOKENS}]}, "sampling_params": {"max_tokens": 1}})
+    many = alice.asample(alice.new_sampling_session(session), 10_000, max_tokens=1)
     failed = alice.result(many.json()["request_id"]).json()
     assert failed["category"] == "user" and "num_samples" in failed["error"]
 
@@ -262,11 +265,7 @@ def test_a_sample_without_max_tokens_runs_to_the_models_own_context(alice):
     """The SDK's default max_tokens (None): what the model's context (512 for the tiny
     Llama, below the server's max_seq_len) leaves after the prompt."""
     session, _ = alice.new_model()
-    ssid = alice.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
-                                                  "base_model": TINY}).json()["sampling_session_id"]
-    submitted = alice.post("asample", {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 1,
-                                       "prompt": {"chunks": [{"tokens": TOKENS}]},
-                                       "sampling_params": {"temperature": 1.0, "seed": 3}}).json()
+    submitted = alice.asample(alice.new_sampling_session(session), 1, temperature=1.0, seed=3).json()
     reply = alice.result(submitted["request_id"])
     assert reply.status_code == 200 and not reply.headers["content-type"].startswith("application/json"), reply.text
     proto = public_pb.SampleResponse()
@@ -288,9 +287,7 @@ def test_users_are_isolated(alice, bob):
 
 def test_sampling_resend_and_sampler_lookup(alice):
     session, model_id = alice.new_model()
-    opened = alice.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
-                                                     "base_model": TINY, "type": "create_sampling_session"}).json()
-    ssid = opened["sampling_session_id"]
+    ssid = alice.new_sampling_session(session)
     assert alice.get(f"samplers/{ssid}").json()["base_model"] == TINY
     body = {"sampling_session_id": ssid, "seq_id": 0, "num_samples": 3, "type": "sample",
             "prompt": {"chunks": [{"tokens": TOKENS, "type": "encoded_text"}]},
@@ -317,8 +314,7 @@ def test_tinker_ids_survive_a_restart(tmp_path):
         session, model_id = client.new_model()
         first = client.forward_backward(model_id, 1).json()["request_id"]
         assert client.result(client.optim_step(model_id, 2).json()["request_id"]).status_code == 200
-        ssid = client.post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
-                                                       "base_model": TINY}).json()["sampling_session_id"]
+        ssid = client.new_sampling_session(session)
         server.kill()
         server.start()
 

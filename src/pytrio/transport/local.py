@@ -95,7 +95,8 @@ class LocalTransport:
         self._call(self.core.delete_checkpoint, self.user_id, path)
 
     async def set_checkpoint_ttl(self, path: str, ttl_seconds: int | None) -> Checkpoint:
-        return self._call(self.core.set_checkpoint_ttl, self.user_id, path, ttl_seconds)
+        return self._call(self.core.set_checkpoint_ttl, self.user_id, path,
+                          {"ttl_seconds": ttl_seconds})
 
     async def download_checkpoint(self, path: str, dest: Path, progress: bool) -> Path:
         archive = self._call(self.core.checkpoint_archive, self.user_id, path)
