@@ -30,7 +30,7 @@ from .catalog import DEFAULT_MODEL, Catalog, load_model_and_tokenizer
 from .device import DTYPES, resolve_device, resolve_dtype
 from .errors import AdapterNotFoundError, InvalidInputError
 from .losses import LOSSES, OPTIONAL_INPUTS
-from .model import Head, check_head, family_of, select_targets
+from .model import Head, check_head, check_plain_head, family_of, select_targets
 from .optim import AdamConfig, AdamState, adamw_step
 
 __all__ = [
@@ -131,6 +131,7 @@ class ModelHost:
         self.model, self.tokenizer = load_model_and_tokenizer(source, self.dtype, device=self.device)
         self.family = family_of(self.model.config)  # LoRA targets and head, per model family
         check_head(self.family, self.model.config)
+        check_plain_head(self.family, self.model)
         self.routing = lora.install(self.model, self.family.all_targets(), self.family.siblings)
         self.trunk = self.model.get_decoder()
         # the one place logits are made, trainer and sampler alike: lm_head + family transform

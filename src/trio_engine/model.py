@@ -21,7 +21,9 @@ projection name any known family uses, and a plain head. Which of those names th
 model really has is checked when an adapter is created (``select_targets``), so an
 unknown model either gets all the kinds of layers it asked for or an error, never a
 partial adapter. A model of unknown family whose config carries one of the head
-attributes above is refused (``check_head``): we would not know how it applies it.
+attributes above is refused (``check_head``): we would not know how it applies it; one
+whose own forward makes other logits than its plain head, under whatever name, is refused
+too (``check_plain_head``, a forward of a few tokens at load).
 
 ``Head`` is the one place logits are made (trainer, ``compute_logprobs`` and sampler all
 call it), so the transform cannot be applied on one path and forgotten on another. It
@@ -165,6 +167,37 @@ def check_head(spec: FamilySpec, hf_config: Any) -> None:
             f"model_type {getattr(hf_config, 'model_type', None)!r} is not a known family "
             f"(known: {sorted(FAMILIES)}) and its config sets {found}, a logit transform "
             "TRIO does not know how to apply; add a FamilySpec for it in trio_engine/model.py"
+        )
+
+
+def check_plain_head(spec: FamilySpec, model: nn.Module) -> None:
+    """Refuse a generic-spec model whose own forward makes other logits than its plain
+    head does (a transform under a name ``HEAD_KEYS`` does not know, e.g. Falcon-H1's
+    ``lm_head_multiplier`` or RecurrentGemma's ``logits_soft_cap``): one forward of a
+    few tokens, both ways, before any adapter is installed.
+
+    Raises:
+        ModelNotAvailableError: the two differ, or the model's forward fails on token ids.
+    """
+    if spec is not GENERIC:
+        return
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    device = model.get_output_embeddings().weight.device
+    probe = (torch.arange(1, 9, device=device) * 7919 % vocab)[None]
+    model_type = getattr(model.config, "model_type", None)
+    try:
+        with torch.no_grad():
+            own = model(input_ids=probe, use_cache=False).logits.float()
+            plain = model.get_output_embeddings()(model.get_decoder()(input_ids=probe, use_cache=False)[0]).float()
+    except Exception as exc:  # noqa: BLE001  (any failure means we cannot serve it)
+        raise ModelNotAvailableError(f"model_type {model_type!r} is not a known family and its forward "
+                                     f"failed on token ids alone ({type(exc).__name__}: {exc})") from exc
+    gap = float((own - plain).abs().max())
+    if gap > 1e-3 * max(1.0, float(plain.abs().max())):
+        raise ModelNotAvailableError(
+            f"model_type {model_type!r} is not a known family and its forward transforms the logits after "
+            f"lm_head (up to {gap:.3g} from lm_head's own output), in a way TRIO does not know how to "
+            "apply; add a FamilySpec for it in trio_engine/model.py"
         )
 
 

@@ -16,6 +16,7 @@ from trio_engine.model import (
     PHI3,
     LogitTransform,
     check_head,
+    check_plain_head,
     family_of,
     select_targets,
 )
@@ -59,6 +60,27 @@ def test_an_unknown_family_with_a_logit_transform_is_refused():
         check_head(GENERIC, SimpleNamespace(model_type="mystery", logit_scale=0.5, logits_scaling=None))
     check_head(GENERIC, SimpleNamespace(model_type="mystery", logits_scaling=None))
     check_head(FAMILIES["cohere"], SimpleNamespace(model_type="cohere", logit_scale=0.5))
+
+
+@pytest.mark.parametrize("multiplier", [8.0, 1.0])
+def test_an_unknown_family_whose_forward_transforms_its_logits_is_refused(multiplier):
+    """Falcon-H1 multiplies its logits by ``lm_head_multiplier``, a name ``check_head``
+    does not know: the forward-vs-plain-head probe refuses it unless the factor is 1."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "falcon_h1", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=1, lm_head_multiplier=multiplier)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert family_of(model.config) is GENERIC
+    if multiplier == 1.0:
+        check_plain_head(GENERIC, model)
+    else:
+        with pytest.raises(ModelNotAvailableError, match="'falcon_h1' is not a known family .* after lm_head"):
+            check_plain_head(GENERIC, model)
+    check_plain_head(FAMILIES["llama"], model)  # a known family's head is its spec's business
 
 
 def test_transform_formulas():
