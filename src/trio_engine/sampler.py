@@ -333,6 +333,8 @@ class DecodeBatch:
         folded = [bool(self.rows) and 0 < n == len(r.prompt) - 1 for r, (n, _) in zip(requests, hits)]
         prefilled = [k for k, f in enumerate(folded) if not f]
         reused = [k for k, f in enumerate(folded) if f]
+        for k, hit in zip(prefilled, _without_gaps([requests[k] for k in prefilled], [hits[k] for k in prefilled])):
+            hits[k] = hit
         parts = []  # (requests' indices, cache, hidden states, mask): all made before any joins
         if prefilled:
             parts.append((prefilled, *self._prefilled([requests[k] for k in prefilled],
@@ -513,8 +515,8 @@ def _prefill(host: SamplingHost, requests: list[SampleRequest], cache: DynamicCa
 
     ``hits[k]`` = (n, KV of prompt k's first n tokens) from the prefix cache, or (0, None):
     those KV go into ``cache`` first (left-padded to the longest hit), and only the rest
-    of each prompt runs. Positions count real tokens, so a row's padding in the middle
-    (between its reused KV and its new tokens) changes nothing.
+    of each prompt runs. The hits must leave no row padding between its reused KV and its
+    new tokens (``_without_gaps``).
     """
     suffixes = [r.prompt[n:] for r, (n, _) in zip(requests, hits)]
     width = max(len(s) for s in suffixes)
@@ -528,6 +530,23 @@ def _prefill(host: SamplingHost, requests: list[SampleRequest], cache: DynamicCa
     with host.routing.use(lora.segments([r.adapter_id for r in requests])):
         out = _trunk(host, ids, mask, positions, cache)
     return out.last_hidden_state[:, -1], mask
+
+
+def _without_gaps(requests: list[SampleRequest], hits: list[tuple[int, KV | None]]) -> list[tuple[int, KV | None]]:
+    """The hits cut so that every row's new tokens fill the prefill's width: a row whose
+    new part is shorter than the longest recomputes the end of its hit instead of taking
+    padding there (no more work: those columns run either way). Padding between a row's
+    reused KV and its new tokens would be harmless to full attention (positions count real
+    tokens), but a sliding window is measured in cache columns, so the new tokens would
+    lose sight of reused ones inside their window (0.2-0.4 nats on Mistral and Qwen2)."""
+    if not hits:
+        return hits
+    width = max(len(r.prompt) - n for r, (n, _) in zip(requests, hits))
+    cut = []
+    for r, (n, kv) in zip(requests, hits):
+        keep = max(0, n - (width - (len(r.prompt) - n)))
+        cut.append((keep, [(k[:, :keep], v[:, :keep]) for k, v in kv]) if keep and kv else (0, None))
+    return cut
 
 
 def _fill_reused(cache: DynamicCache, hits: list[tuple[int, KV | None]], device: torch.device) -> torch.Tensor:

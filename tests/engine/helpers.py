@@ -16,16 +16,20 @@ from trio_engine.catalog import BUILTIN_SOURCES, Catalog, _tiny, load_model_and_
 # bundled SmolLM2 one. Head constants are chosen so that dropping the family's logit
 # transform changes the logprobs far beyond the tests' tolerance (random-init logits are
 # ~0.2 in size: a soft-cap of 2 would barely touch them, one of 0.1 bends them hard).
+# Families with sliding-window layers get a window of 4 tokens, shorter than the tests'
+# sequences, so the window is in force (Qwen2: layer 1 slides, layer 0 attends to all).
+WINDOW = 4
 FAMILY_SOURCES = {
     "llama": BUILTIN_SOURCES[TINY_LLAMA],
     "qwen3": BUILTIN_SOURCES[TINY_QWEN3],
-    "qwen2": _tiny("test/tiny-qwen2", "qwen2", tokenizer="qwen"),
-    "mistral": _tiny("test/tiny-mistral", "mistral", tokenizer="smollm2"),
+    "qwen2": _tiny("test/tiny-qwen2", "qwen2", tokenizer="qwen", use_sliding_window=True, sliding_window=WINDOW,
+                   max_window_layers=1),
+    "mistral": _tiny("test/tiny-mistral", "mistral", tokenizer="smollm2", sliding_window=WINDOW),
     "gemma2": _tiny("test/tiny-gemma2", "gemma2", tokenizer="smollm2", final_logit_softcapping=0.1,
-                    query_pre_attn_scalar=16, sliding_window=512),
+                    query_pre_attn_scalar=16, sliding_window=WINDOW),
     "gemma3_text": _tiny("test/tiny-gemma3", "gemma3_text", tokenizer="smollm2", final_logit_softcapping=0.1,
-                         query_pre_attn_scalar=16, sliding_window=512),
-    "phi3": _tiny("test/tiny-phi3", "phi3", tokenizer="smollm2"),
+                         query_pre_attn_scalar=16, sliding_window=WINDOW),
+    "phi3": _tiny("test/tiny-phi3", "phi3", tokenizer="smollm2", sliding_window=WINDOW),
     "cohere": _tiny("test/tiny-cohere", "cohere", tokenizer="smollm2", logit_scale=8.0),
     "granite": _tiny("test/tiny-granite", "granite", tokenizer="smollm2", logits_scaling=0.125),
 }

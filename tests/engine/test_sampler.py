@@ -638,7 +638,9 @@ def test_prompts_with_and_without_a_cached_prefix_share_one_admission(tiny_host,
     with torch.no_grad():
         want = [without_prefix_cache(tiny_host, r) for r in requests]
     got = tiny_host.sample(requests)
-    assert got[0].cached_prompt_tokens >= 5 and got[1].cached_prompt_tokens == 0
+    # 5 cached, the 5th run again to fill the width of the 3-token prompt beside it: no
+    # padding between a row's reused and new tokens (sampler._without_gaps)
+    assert got[0].cached_prompt_tokens == 4 and got[1].cached_prompt_tokens == 0
     for g, w in zip(got, want):
         assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
         torch.testing.assert_close(torch.tensor([s.logprobs for s in g.sequences]),
@@ -766,11 +768,30 @@ def test_a_repeated_prompt_reuses_all_but_its_last_token_and_samples_as_without_
     with torch.no_grad():
         want = [without_prefix_cache(tiny_host, r) for r in requests]
     got = tiny_host.sample(requests)
-    assert [g.cached_prompt_tokens for g in got] == [len(prompt) - 1, 9]
+    # the repeat's 11 cached tokens but one, to match the other's 2 new ones (_without_gaps)
+    assert [g.cached_prompt_tokens for g in got] == [len(prompt) - 2, 9]
     for g, w in zip(got, want):
         assert g.sequences[0].tokens == w.sequences[0].tokens
         torch.testing.assert_close(torch.tensor(g.sequences[0].logprobs), torch.tensor(w.sequences[0].logprobs),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family_host", ["mistral", "qwen2", "gemma3_text"], indirect=True)
+def test_a_cached_prefix_prefilled_beside_a_longer_prompt_keeps_its_sliding_window(family_host):
+    """A multi-turn rollout's next turn (its first 22 tokens cached) prefilled in one pass
+    with a fresh 8-token prompt, on models whose layers see 4 tokens back: the turn's new
+    tokens see exactly the window they see alone, so its logprobs are the trainer's."""
+    host = family_host
+    cfg = lambda seed: SamplingConfig(max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True)  # noqa: E731
+    first = list(range(40, 56))
+    turn = first + host.sample([SampleRequest(None, first, 1, cfg(1))])[0].sequences[0].tokens + [70, 71]
+    got = host.sample([SampleRequest(None, turn, 1, cfg(2)), SampleRequest(None, list(range(80, 88)), 1, cfg(3))])
+    assert 0 < got[0].cached_prompt_tokens < len(turn) - 2  # reused, the rest run beside the fresh prompt
+    sampled = got[0].sequences[0]
+    full = turn + sampled.tokens
+    trainer = host.forward([ForwardJob(None, [Example(full[:-1], {"target_tokens": full[1:]})])])[0].logprobs[0]
+    torch.testing.assert_close(torch.tensor(sampled.logprobs), torch.tensor(trainer[len(turn) - 1:]),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_in_bf16_only_unseeded_requests_reuse_cached_kv(new_id):
