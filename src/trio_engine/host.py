@@ -30,7 +30,7 @@ from .catalog import DEFAULT_MODEL, Catalog, load_model_and_tokenizer
 from .device import DTYPES, resolve_device, resolve_dtype
 from .errors import AdapterNotFoundError, InvalidInputError
 from .losses import LOSSES, OPTIONAL_INPUTS
-from .model import Head, check_head, check_plain_head, family_of, select_targets
+from .model import Head, check_head, check_plain_head, context_of, family_of, select_targets
 from .optim import AdamConfig, AdamState, adamw_step
 
 __all__ = [
@@ -137,7 +137,7 @@ class ModelHost:
         # the one place logits are made, trainer and sampler alike: lm_head + family transform
         self.unembed = Head(self.model.get_output_embeddings(), self.family.transform(self.model.config))
         self.vocab_size = int(self.unembed.weight.shape[0])
-        self.max_seq_len = int(getattr(self.model.config, "max_position_embeddings", 4096))
+        self.max_seq_len = context_of(self.model.config)
         self.max_batch_tokens = max_batch_tokens
         self.adapters: dict[str, Adapter] = {}
         self.lock = threading.RLock()  # one engine call at a time per host

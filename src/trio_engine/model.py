@@ -170,6 +170,35 @@ def check_head(spec: FamilySpec, hf_config: Any) -> None:
         )
 
 
+def context_of(hf_config: Any) -> int:
+    """The most tokens one sequence may have on this model: ``max_position_embeddings``,
+    except for LongRoPE (Phi-3 128k, Phi-3.5), served up to its original context.
+
+    transformers picks LongRoPE's short or long factors once per forward call, from the
+    largest position in it. Past the original context one sequence's numbers would then
+    depend on the others in its batch, and a sampled sequence that crosses it would have
+    its prompt's KV made with the short factors and the rest with the long ones, unlike
+    the trainer's forward of the same tokens. Up to it, the short factors hold everywhere.
+    """
+    context = int(getattr(hf_config, "max_position_embeddings", 4096))
+    for rope in _rope_parameter_sets(hf_config):
+        if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
+            original = rope.get("original_max_position_embeddings") or getattr(
+                hf_config, "original_max_position_embeddings", None)
+            context = min(context, int(original or context))
+    return context
+
+
+def _rope_parameter_sets(hf_config: Any) -> list[dict]:
+    """The config's RoPE parameters (transformers 5 ``rope_parameters``, 4.x ``rope_scaling``),
+    one dict per layer type where a model has several (Gemma 3)."""
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if not isinstance(rope, dict):
+        return []
+    nested = [v for v in rope.values() if isinstance(v, dict)]
+    return nested or [rope]
+
+
 def check_plain_head(spec: FamilySpec, model: nn.Module) -> None:
     """Refuse a generic-spec model whose own forward makes other logits than its plain
     head does (a transform under a name ``HEAD_KEYS`` does not know, e.g. Falcon-H1's

@@ -33,7 +33,13 @@ FAMILY_SOURCES = {
     "cohere": _tiny("test/tiny-cohere", "cohere", tokenizer="smollm2", logit_scale=8.0),
     "granite": _tiny("test/tiny-granite", "granite", tokenizer="smollm2", logits_scaling=0.125),
 }
-TEST_CATALOG = Catalog({**BUILTIN_SOURCES, **{s.name: s for s in FAMILY_SOURCES.values()}})
+# Phi-3 with LongRoPE (as Phi-3 128k and Phi-3.5), its original context 32 tokens; one
+# factor per rotary frequency (head_dim 16), the long ones far from the short.
+LONGROPE = _tiny("test/tiny-phi3-longrope", "phi3", tokenizer="smollm2", original_max_position_embeddings=32,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                                  "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                  "long_factor": [2.0 + 0.7 * i for i in range(8)]})
+TEST_CATALOG = Catalog({**BUILTIN_SOURCES, **{s.name: s for s in (*FAMILY_SOURCES.values(), LONGROPE)}})
 
 
 def plain_model(name: str):

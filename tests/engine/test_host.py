@@ -10,6 +10,8 @@ from trio_engine import Example, ForwardJob, InvalidInputError, LoraConfig
 from trio_engine.model import LogitTransform
 
 from .helpers import (
+    LONGROPE,
+    TEST_CATALOG,
     assert_same_snapshot,
     merged_model,
     plain_model,
@@ -60,6 +62,25 @@ def test_family_logit_transform_matters(family_host):
     targets = torch.tensor(ex.inputs["target_tokens"])
     untransformed = torch.log_softmax(raw, -1).gather(1, targets[:, None])[:, 0]
     assert (untransformed - reference_logprobs(model, ex.tokens, ex.inputs["target_tokens"])).abs().max() > 1e-2
+
+
+def test_a_longrope_model_is_served_up_to_its_original_context():
+    """Phi-3's LongRoPE takes its short or long factors per forward pass, from the longest
+    sequence in it: served up to its original context (32), a sequence beside a full-length
+    one has the logprobs transformers gives it alone; a longer one is refused."""
+    from trio_engine import ModelHost
+
+    host = ModelHost(LONGROPE.name, dtype="float32", catalog=TEST_CATALOG)
+    assert host.max_seq_len == 32
+    rng = random.Random(3)
+    data = [random_example(host.vocab_size, n, rng) for n in (32, 20)]
+    result = host.forward([ForwardJob(None, data)])[0]
+    model = plain_model(LONGROPE.name)
+    for ex, lp in zip(data, result.logprobs):
+        torch.testing.assert_close(torch.tensor(lp), reference_logprobs(model, ex.tokens, ex.inputs["target_tokens"]),
+                                   atol=TOL, rtol=TOL)
+    with pytest.raises(InvalidInputError, match="length 33 exceeds the model's context of 32 tokens"):
+        host.forward([ForwardJob(None, [random_example(host.vocab_size, 33, rng)])])
 
 
 def test_result_does_not_depend_on_batch(tiny_host, new_id):
