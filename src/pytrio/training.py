@@ -245,14 +245,18 @@ class TrainingClient:
 
     async def _log_metrics(self, request: t.LogMetricsRequest, ticket: Ticket | None) -> t.LogMetricsResponse:
         if ticket is not None:  # the current step: once the calls made before this one have run
-            try:
-                await ticket.turn()
-                last = self._last_sent
-            finally:
-                ticket.release()  # takes no number: the next call goes at once
-            if last is not None:  # the run executes in order: the newest call finishing is all of them
-                await self._session.settled(last)
+            await self._after_earlier_calls(ticket)
         return await on_background(self._session.transport.log_metrics(self.model_id, request))
+
+    async def _after_earlier_calls(self, ticket: Ticket) -> None:
+        """Return once every call made before ``ticket`` was taken has run (or failed)."""
+        try:
+            await ticket.turn()
+            last = self._last_sent
+        finally:
+            ticket.release()  # takes no number: the next call goes at once
+        if last is not None:  # the run executes in order: the newest call finishing is all of them
+            await self._session.settled(last)
 
     forward_async = async_twin(forward)
     forward_backward_async = async_twin(forward_backward)
@@ -289,6 +293,9 @@ class TrainingClient:
         return await self.create_sampling_client_async(saved.path)
 
     async def get_info_async(self) -> t.GetInfoResponse:
+        """The run's info once every call made before this one on this client has run:
+        ``.step`` counts the ``optim_step`` calls made before it, awaited or not."""
+        await self._after_earlier_calls(self._take("get_info")[0])
         return await self._session.call("get_info", t.GetInfoRequest(model_id=self.model_id), t.GetInfoResponse)
 
     async def get_tokenizer_async(self) -> Any:

@@ -176,11 +176,13 @@ def snapshot_path(snapshot_dir: str | Path, run_id: str) -> Path:
 
 
 class SnapshotWriter:
-    """Writes run snapshots on a background thread: atomically, newest state only.
+    """Writes run snapshots: atomically, at most one write per run under way at a time.
 
-    ``mark(run)`` asks for a snapshot and returns at once. While a run's snapshot is
-    being written, further marks coalesce into one more write of the then-newest state.
-    At most one write per run is under way at any time.
+    ``commit(run)`` writes the run's state now and returns once it is on disk: every
+    change a client is told of (a step, a load, a new run) goes through it, so a crash
+    after the answer cannot undo it. ``mark(run)`` asks for a background write and
+    returns at once, for rewrites that lose nothing if they never land (a restored
+    snapshot's gradients dropped); marks coalesce into one write of the newest state.
     """
 
     def __init__(self, host: ModelHost, folder: str, enabled: bool = True):
@@ -197,6 +199,17 @@ class SnapshotWriter:
         with self.cond:
             self.dirty[run_id] = None
             self.cond.notify_all()
+
+    def commit(self, run_id: str) -> None:
+        """The run's state on disk before returning (nothing when snapshots are off). A
+        failed write (a full disk) is logged, not raised: the change is made and answered,
+        and the next commit tries again; a crash before then returns to the last snapshot."""
+        if not self.enabled:
+            return
+        try:
+            self.write_now(run_id)
+        except Exception:
+            log.exception("snapshot of run %s failed; a crash now would take it back to its last snapshot", run_id)
 
     def write_now(self, run_id: str, with_grads: bool = False) -> None:
         """Write synchronously, replacing any pending write of the run."""
@@ -300,7 +313,7 @@ class LocalEngine:
 
     def create_adapter(self, run_id: str, config: LoraConfig) -> None:
         self.host.create_adapter(run_id, config)
-        self.snapshots.mark(run_id)
+        self.snapshots.commit(run_id)
 
     def forward(self, jobs: list[ForwardJob]) -> list[ForwardResult | Failure]:
         return self._forward(jobs, backward=False)
@@ -339,7 +352,7 @@ class LocalEngine:
 
     def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]:
         metrics = self._resident(run_id).optim_step(run_id, config)
-        self.snapshots.mark(run_id)
+        self.snapshots.commit(run_id)  # before the step is answered: a crash cannot undo it
         return metrics
 
     def adapter_info(self, run_id: str) -> AdapterInfo:
@@ -355,7 +368,7 @@ class LocalEngine:
     def load_state(self, run_id: str, folder: str, with_optimizer: bool) -> LoraConfig:
         host = self.host
         host.load_state(run_id, folder, with_optimizer)
-        self.snapshots.mark(run_id)
+        self.snapshots.commit(run_id)
         return host.adapter_config(run_id)[0]
 
     def save_sampler_weights(self, run_id: str, folder: str) -> None:

@@ -49,6 +49,7 @@ def test_calls_run_in_submission_order(service):
     for _ in range(3):
         futures.append(eager.forward_backward([datum()]))
         futures.append(eager.optim_step(trio.AdamParams(learning_rate=1e-2)))
+    assert eager.get_info().step == 3  # in order too: after the calls made before it, unawaited
     waited = []
     for _ in range(3):
         waited.append(careful.forward_backward([datum()]).result())

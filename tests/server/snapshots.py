@@ -1,4 +1,4 @@
-"""Waiting for a run's snapshot on disk: the condition itself, not a sleep."""
+"""A run's snapshot on disk: its step."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from pathlib import Path
 from safetensors import safe_open
 
 from trio_server.engine import snapshot_path
-
-from ..polling import wait_until
 
 
 def snapshot_step(data_dir: Path, run_id: str) -> int | None:
@@ -19,6 +17,3 @@ def snapshot_step(data_dir: Path, run_id: str) -> int | None:
     except (FileNotFoundError, KeyError):
         return None
 
-
-def wait_for_snapshot(data_dir: Path, run_id: str, step: int, timeout: float = 120) -> None:
-    wait_until(lambda: snapshot_step(data_dir, run_id) == step, f"the snapshot of {run_id} at step {step}", timeout)

@@ -20,7 +20,7 @@ from pytrio.futures import run_sync
 from trio_server.errors import RESTART_MESSAGE
 
 from ..sdk.conftest import ServeProcess
-from .snapshots import wait_for_snapshot
+from .snapshots import snapshot_step
 
 MODEL = "trio/tiny-llama"
 
@@ -55,7 +55,7 @@ def test_sigkill_mid_training_loses_no_completed_step(serve):
     svc = trio.ServiceClient(base_url=serve.url, api_key=key)
     tc = svc.create_lora_training_client(base_model=MODEL, rank=2, seed=0)
     train(tc, 2)
-    wait_for_snapshot(serve.data_dir, tc.model_id, step=2)
+    assert snapshot_step(serve.data_dir, tc.model_id) == 2  # on disk when the step was answered
     transport = svc._session.transport
 
     async def submit_and_wait(op, body, key):

@@ -51,6 +51,23 @@ def test_marks_during_a_write_coalesce_into_one_more_write_of_the_newest_state(e
     assert snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-a")).step == 3
 
 
+def test_every_change_a_client_is_told_of_is_on_disk_when_the_call_returns(engine, tmp_path):
+    """A new run, a step, a loaded state: each is in the run's snapshot by the time the
+    engine returns (the answer follows), so a SIGKILL right after the answer keeps it."""
+    def on_disk() -> int:
+        return snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-d")).step
+
+    engine.create_adapter("run-d", LoraConfig(rank=2))
+    assert on_disk() == 0
+    engine.save_state("run-d", str(tmp_path / "step0"))
+    for step in (1, 2):
+        engine.forward_backward([job("run-d")])
+        engine.optim_step("run-d", AdamConfig(learning_rate=1e-2))
+        assert on_disk() == step
+    engine.load_state("run-d", str(tmp_path / "step0"), with_optimizer=True)
+    assert on_disk() == 0
+
+
 def test_a_new_engine_resumes_runs_from_their_snapshots(engine, tmp_path):
     engine.create_adapter("run-b", LoraConfig(rank=2, seed=4))
     for _ in range(2):

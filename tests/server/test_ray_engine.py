@@ -24,7 +24,7 @@ import pytrio as trio
 from pytrio.transport.local import LocalTransport
 from trio_server.core import ServiceCore
 
-from .snapshots import wait_for_snapshot
+from .snapshots import snapshot_step
 
 MODEL = "trio/tiny-llama"
 NODE_B = "trio_node_b"
@@ -140,7 +140,7 @@ def test_actor_sigkill_continues_from_last_completed_step(cores):
     svc = client(on_ray)
     tc = svc.create_lora_training_client(base_model=MODEL, rank=4, seed=5)
     train(tc, 2)
-    wait_for_snapshot(on_ray.data_dir, tc.model_id, step=2)
+    assert snapshot_step(on_ray.data_dir, tc.model_id) == 2  # on disk when the step was answered
     before = logprobs(tc)
     pid = tc.get_info().model_info["pid"]
     os.kill(pid, signal.SIGKILL)
