@@ -199,7 +199,7 @@ def _rope_parameter_sets(hf_config: Any) -> list[dict]:
     return nested or [rope]
 
 
-def check_plain_head(spec: FamilySpec, model: nn.Module) -> None:
+def check_plain_head(spec: FamilySpec, model: Any) -> None:
     """Refuse a generic-spec model whose own forward makes other logits than its plain
     head does (a transform under a name ``HEAD_KEYS`` does not know, e.g. Falcon-H1's
     ``lm_head_multiplier`` or RecurrentGemma's ``logits_soft_cap``): one forward of a

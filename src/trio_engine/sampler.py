@@ -542,7 +542,7 @@ def _without_gaps(requests: list[SampleRequest], hits: list[tuple[int, KV | None
     if not hits:
         return hits
     width = max(len(r.prompt) - n for r, (n, _) in zip(requests, hits))
-    cut = []
+    cut: list[tuple[int, KV | None]] = []
     for r, (n, kv) in zip(requests, hits):
         keep = max(0, n - (width - (len(r.prompt) - n)))
         cut.append((keep, [(k[:, :keep], v[:, :keep]) for k, v in kv]) if keep and kv else (0, None))

@@ -68,6 +68,16 @@ def write(path: str | Path, snap: Snapshot) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def remove_partial_writes(folder: str | Path) -> int:
+    """Remove what writes a crash interrupted left in a snapshot folder: the hidden
+    temporary files (``write``'s, and those safetensors makes beside them), each as large
+    as a snapshot. Only while no write can be under way (at start-up). Returns how many."""
+    partial = [p for p in Path(folder).glob(".*") if p.is_file()] if Path(folder).is_dir() else []
+    for path in partial:
+        path.unlink(missing_ok=True)
+    return len(partial)
+
+
 def read(path: str | Path) -> Snapshot:
     from safetensors import safe_open
 

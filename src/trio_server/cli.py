@@ -12,6 +12,7 @@ Heavy imports (uvicorn, the app, torch via the core) wait until a command runs, 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
@@ -132,34 +133,47 @@ def serve(args: argparse.Namespace) -> None:
 
     from .app import create_app
     from .core import ServiceCore
+    from .errors import DataDirInUse
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     log = logging.getLogger("trio.server")
-    if args.no_auth:
-        log.warning("=" * 72)
-        log.warning("AUTHENTICATION IS OFF (--no-auth): anyone who reaches %s:%d acts as one", args.host, args.port)
-        log.warning("shared user. Use this for localhost development only.")
-        log.warning("=" * 72)
     # Bind here, so that --port 0 works (the log tells which port the OS chose), and first,
     # so that a port in use fails before the service starts.
     try:
         sock = listen(args.host, args.port)
     except OSError as exc:
         sys.exit(f"trio serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
-    core = ServiceCore(
-        _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits_from(args),
-        engine=args.engine, ray_address=args.ray_address, device=args.device,
-        ray_placement=dict(args.ray_place or []),
-    )
+    try:
+        core = ServiceCore(
+            _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits_from(args),
+            engine=args.engine, ray_address=args.ray_address, device=args.device,
+            ray_placement=dict(args.ray_place or []),
+        )
+    except (DataDirInUse, ValueError) as exc:  # another server on the data dir; no such device
+        sys.exit(f"trio serve: {exc}")
     log.info("data dir %s, database %s, engine %s", core.data_dir,
              core.store.engine.url.render_as_string(hide_password=True), args.engine)
     host, port = sock.getsockname()[:2]
+    if args.no_auth:
+        log.warning("=" * 72)
+        log.warning("AUTHENTICATION IS OFF (--no-auth): anyone who reaches %s:%d acts as one", host, port)
+        log.warning("shared user. Use this for localhost development only.")
+        log.warning("=" * 72)
     scheme = "https" if args.ssl_certfile else "http"
     log.info("TRIO listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
     log.info("tinker SDK clients: TINKER_BASE_URL=%s://%s:%d/tinker TINKER_API_KEY=tml-<key>", scheme, host, port)
     config = uvicorn.Config(create_app(core, auth=not args.no_auth), log_level="warning",
                             ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
-    uvicorn.Server(config).run(sockets=[sock])
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            # Here, not at exit: after a SIGTERM uvicorn raises the signal again once it has
+            # shut down, and the process dies of it without running atexit hooks.
+            await super().shutdown(sockets)
+            log.info("stopping: the running batches finish, queued requests fail with the restart error")
+            await asyncio.to_thread(core.close)
+
+    Server(config).run(sockets=[sock])
 
 
 def _store(args: argparse.Namespace) -> Any:

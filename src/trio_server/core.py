@@ -18,14 +18,16 @@ import concurrent.futures
 import itertools
 import json
 import logging
+import os
 import secrets
 import shutil
+import socket
 import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import pydantic
 import sqlalchemy as sa
@@ -35,7 +37,7 @@ from pytrio.errors import describe_validation_error
 
 from . import checkpoints as ckpt
 from .engine import Engine, EngineSettings, LocalEngine
-from .errors import RESTART_MESSAGE, ServiceError, not_found, over_capacity
+from .errors import RESTART_MESSAGE, DataDirInUse, ServiceError, not_found, over_capacity
 from .handlers import Context, expired, remove_checkpoint, remove_expired_checkpoints, set_expiry
 from .queueing import QueueInfo, describe
 from .scheduler import WorkItem
@@ -145,6 +147,7 @@ class ServiceCore:
         device: str | None = None,
         ray_address: str | None = None,
         ray_placement: dict[str, str] | None = None,
+        share_data_dir: bool = False,
     ):
         """Args:
             data_dir: database (SQLite by default), checkpoints, run snapshots.
@@ -155,11 +158,24 @@ class ServiceCore:
                 (a Ray actor per base model; see ``ray_engine.py``).
             ray_address: join this Ray cluster (None: start a local Ray instance).
             ray_placement: base model -> a Ray custom resource its actor needs.
+            share_data_dir: if another service holds the data dir, work beside it
+                without the start-up recovery (which would fail its requests and delete
+                its sampler weights) instead of raising ``DataDirInUse``. For the embedded
+                service: a ``trio checkpoints list`` while a script trains.
         """
         from trio_engine import Catalog
 
         self.data_dir = Path(data_dir).absolute()
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._data_dir_lock: IO[str] | None = None
+        self.owns_data_dir = True  # False: another service's, shared (``share_data_dir``)
+        try:
+            self._data_dir_lock = lock_data_dir(self.data_dir)
+        except DataDirInUse as exc:
+            if not share_data_dir:
+                raise
+            log.info("%s: sharing it, without start-up recovery", exc.args[0].split(";")[0])
+            self.owns_data_dir = False
         self.store = Store(db_url or f"sqlite:///{self.data_dir / 'trio.db'}")
         self.catalog = catalog or Catalog()
         self.limits = limits
@@ -173,6 +189,10 @@ class ServiceCore:
         self.ray_placement = ray_placement or {}
         if engine not in ("local", "ray"):
             raise ValueError(f"engine: must be 'local' or 'ray', got {engine!r}")
+        if engine == "local":  # a device this machine lacks fails now, not at the first request
+            from trio_engine.device import resolve_device
+
+            resolve_device(device)
         if engine == "ray":  # join (or start) Ray now: a bad address or placement fails at start-up
             from .ray_engine import check_cluster, connect
 
@@ -189,7 +209,8 @@ class ServiceCore:
         self.arrivals = itertools.count()
         self.pending_by_user: Counter[str] = Counter()  # accepted, unfinished requests (queue bounds)
         self.unfinished: set[str] = set()  # their request ids
-        self._recover()
+        if self.owns_data_dir:
+            self._recover()
         # Stop the workers before the interpreter tears down: a worker thread still inside
         # torch while C++ statics are destroyed aborts the process ("terminate called
         # without an active exception"), and scripts rarely close an embedded service.
@@ -204,9 +225,11 @@ class ServiceCore:
             log.warning("marked %d in-flight requests failed after restart", len(failed))
         for row in self.store.select(checkpoints_table, kind="ephemeral"):  # they live one service lifetime
             remove_checkpoint(self.store, self.data_dir, row)
+        from trio_engine import snapshot
         from trio_engine.checkpoint import recover_folders
 
         recover_folders(self.data_dir / "checkpoints")  # a checkpoint write the crash interrupted
+        snapshot.remove_partial_writes(self.engine_settings.snapshot_dir)
         remove_expired_checkpoints(self.store, self.data_dir)  # after: a recovered folder of one goes too
         max_seq = self.store.max_seq_by_run()
         for run in self.store.select(runs_table):
@@ -699,10 +722,43 @@ class ServiceCore:
         return ckpt.archive(folder, self.data_dir / "archives")
 
     def close(self) -> None:
-        """Stop every worker (each finishes its running batch); at exit if not called before."""
+        """Stop every worker (each finishes its running batch), then free the data dir; at
+        exit if not called before."""
         atexit.unregister(self.close)
         for worker in list(self.workers.values()):
             worker.stop()
+        if self._data_dir_lock is not None:
+            self._data_dir_lock.close()  # the lock goes with the file
+            self._data_dir_lock = None
+
+
+def lock_data_dir(data_dir: Path) -> IO[str] | None:
+    """An exclusive lock on ``data_dir`` for one service's lifetime (a file lock, which the
+    OS frees when the process dies, however it dies). Two services on one data dir would
+    fail each other's requests at start-up, delete each other's sampler weights and train
+    the same runs apart. None where there are no POSIX file locks.
+
+    Raises:
+        DataDirInUse: another service (in any process, this one included) holds it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    lock = open(data_dir / "trio.lock", "a+")  # noqa: SIM115  (held open for the service's life)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another service"
+        lock.close()
+        raise DataDirInUse(f"data dir {data_dir} is in use by another TRIO service ({holder}); stop it, "
+                           "or give this one another data dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    lock.flush()
+    return lock
 
 
 def _validated(model: type[M], body: Any, prefix: str = "") -> M:

@@ -11,6 +11,10 @@ import math
 RESTART_MESSAGE = "the server restarted while this request was in flight; submit it again"
 
 
+class DataDirInUse(RuntimeError):
+    """Another service holds the data dir (``core.lock_data_dir``)."""
+
+
 class ServiceError(Exception):
     """An error for the client: a category (see pytrio.errors) and an HTTP status."""
 

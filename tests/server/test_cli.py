@@ -80,3 +80,22 @@ def test_a_port_in_use_a_bad_database_or_an_unknown_model_is_a_one_line_error(tm
         cli.main(["keys", "list", "--db", "sqlite:////nonexistent/x.db"])
     with pytest.raises(SystemExit, match="trio tokenizers install: .*no/such-model"):
         cli.main(["tokenizers", "install", "--cache-dir", str(tmp_path / "hub"), "no/such-model"])
+
+
+def test_a_second_server_on_a_data_dir_or_a_missing_device_is_refused_at_start(tmp_path, monkeypatch):
+    """Before serving: another server's data dir, and (on a machine without CUDA) --device
+    cuda, which used to start and then fail every request with a 500."""
+    import torch
+
+    from trio_server import cli
+    from trio_server.core import ServiceCore
+
+    owner = ServiceCore(tmp_path / "data", dtype="float32")
+    try:
+        with pytest.raises(SystemExit, match=r"trio serve: data dir .*/data is in use by another TRIO service \(pid"):
+            cli.main(["serve", "--port", "0", "--data-dir", str(tmp_path / "data")])
+    finally:
+        owner.close()
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="trio serve: device: 'cuda' requested but CUDA is not available"):
+            cli.main(["serve", "--port", "0", "--data-dir", str(tmp_path / "other"), "--device", "cuda"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -287,13 +288,38 @@ def test_calls_queued_at_a_crash_are_on_record_for_the_next_start(tmp_path):
     first = before.next_seq.get(run_id, 0)
     ids = [before.submit("local", "forward_backward", {"model_id": run_id, "seq": first + k, "loss_fn": "cross_entropy",
                                                        "data": [DATUM.model_dump()]}) for k in range(3)]
+    before.close()  # the process ends here; its data dir's lock goes with it
 
     after = ServiceCore(tmp_path, dtype="float32")
     assert after.next_seq[run_id] == first + 3
     states = [run_sync(LocalTransport(after).retrieve(rid, 0)) for rid in ids]
     assert [(s.status, s.error) for s in states] == [("failed", t.ErrorInfo(category="server", message=RESTART_MESSAGE))] * 3
     after.close()
-    before.close()
+
+
+def test_a_data_dir_has_one_owner_and_shared_users_leave_its_requests_alone(tmp_path):
+    """A second service on a data dir in use is refused, naming the holder (it would fail
+    the first one's requests at start-up and delete its sampler weights). A shared one (the
+    embedded service's CLI beside a training script) starts without that recovery. A
+    crash's leftover snapshot temporaries go at the owner's next start."""
+    from trio_server.errors import DataDirInUse
+    from trio_server.store import requests as requests_table
+
+    first = ServiceCore(tmp_path, dtype="float32")
+    run_id = trio.ServiceClient(transport=LocalTransport(first)).create_lora_training_client(
+        base_model=MODEL, rank=2).model_id
+    first.workers[MODEL].stop()  # what is accepted from here on stays queued
+    queued = first.submit("local", "forward", {"model_id": run_id, "seq": first.next_seq.get(run_id, 0), "data": [DATUM.model_dump()]})
+    with pytest.raises(DataDirInUse, match=rf"data dir {tmp_path} is in use by another TRIO service \(pid {os.getpid()} "):
+        ServiceCore(tmp_path, dtype="float32")
+    shared = ServiceCore(tmp_path, dtype="float32", share_data_dir=True)
+    assert shared.store.get(requests_table, request_id=queued)["status"] == "pending"  # not failed as a restart's
+    shared.close()
+    leftover = tmp_path / "snapshots" / f".{run_id}.safetensors.1.2.tmp"
+    leftover.write_bytes(b"partial")
+    first.close()
+    ServiceCore(tmp_path, dtype="float32").close()
+    assert not leftover.exists() and (tmp_path / "snapshots" / f"{run_id}.safetensors").exists()
 
 
 def test_a_call_the_store_cannot_record_is_refused_and_leaves_no_trace(tmp_path):

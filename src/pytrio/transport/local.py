@@ -46,7 +46,8 @@ def embedded_core(data_dir: Path | None = None) -> Any:
     folder = str(data_dir or default_data_dir())
     with _cores_lock:
         if folder not in _cores:
-            _cores[folder] = ServiceCore(folder, dtype=os.environ.get("TRIO_DTYPE"))
+            # shared: a CLI command beside a training script reads the same data dir
+            _cores[folder] = ServiceCore(folder, dtype=os.environ.get("TRIO_DTYPE"), share_data_dir=True)
         return _cores[folder]
 
 
