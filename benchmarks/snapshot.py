@@ -2,11 +2,11 @@
 
 Two embedded services on the bundled SmolLM2-135M (fp32, rank 32, all block linears),
 identical but for ``EngineSettings.snapshots``. Each measured step is
-``forward_backward`` (8 x 128 tokens) + ``optim_step`` through the SDK. Steps run in
-blocks of ``--block`` per service, alternating (ABAB...), so each background snapshot
-overlaps its own run's next step, as in real use; the "with" block's time includes
-waiting for its last snapshot to land, so no write is left uncounted. Medians over
-``--repeats`` blocks.
+``forward_backward`` (8 x 128 tokens) + ``optim_step`` through the SDK, the step's result
+awaited before the next, as a plain training loop does. The snapshot is written before
+``optim_step`` is answered (no answered step can be lost), so its write is inside the
+step's time. Steps run in blocks of ``--block`` per service, alternating (ABAB...);
+medians over ``--repeats`` blocks.
 
     RESULT snapshot_train_step_8x128 ours=<steps/s with> baseline=<steps/s without> ratio=...
     SNAPSHOT bytes=<file size> write_ms=<median time of one snapshot write, measured alone>

@@ -135,12 +135,11 @@ def checkpoints_list(args: argparse.Namespace) -> None:
 
 def checkpoints_download(args: argparse.Namespace) -> None:
     dest = Path(args.dest)
-    if args.dest.endswith(("/", os.sep)):  # a folder, by its trailing slash: made if need be
-        dest.mkdir(parents=True, exist_ok=True)
-    elif not dest.is_dir() and not dest.parent.is_dir():
+    trailing_slash = args.dest.endswith(("/", os.sep))  # a folder, made if need be
+    if not trailing_slash and not dest.is_dir() and not dest.parent.is_dir():
         raise CommandError(f"{args.dest}: its folder {str(dest.parent)!r} does not exist")
     try:
-        target = connect(args).download_checkpoint_archive(args.path, dest, progress=not args.quiet)
+        target = connect(args).download_checkpoint_archive(args.path, args.dest, progress=not args.quiet)
     except NotFoundError as exc:
         raise _not_yours(exc, args) from None
     print(target)

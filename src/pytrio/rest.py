@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from . import types as t
@@ -72,11 +73,15 @@ class RestClient:
         return await on_background(self._transport.set_checkpoint_ttl(path, ttl_seconds))
 
     async def download_checkpoint_archive_async(self, path: str, dest: str | Path = ".", progress: bool = True) -> Path:
-        """Download a checkpoint as a .tar into ``dest`` (a folder or a file name).
+        """Download a checkpoint as a .tar into ``dest``: a folder (an existing one, or any
+        path ending in ``/``, made if need be) or a file name. Returns the file's path.
 
         Over HTTP an interrupted download resumes where it stopped (range requests).
         """
-        return await on_background(self._transport.download_checkpoint(path, Path(dest), progress))
+        folder = Path(dest)
+        if str(dest).endswith(("/", os.sep)):  # a folder by its trailing slash (Path drops it)
+            folder.mkdir(parents=True, exist_ok=True)
+        return await on_background(self._transport.download_checkpoint(path, folder, progress))
 
     list_training_runs = sync_twin(list_training_runs_async)
     get_training_run = sync_twin(get_training_run_async)

@@ -243,14 +243,16 @@ class _Finite(_Model):
 
 
 class AdamParams(_Finite):
-    """AdamW hyper-parameters for one ``optim_step`` (defaults as in the user docs)."""
+    """AdamW hyper-parameters for one ``optim_step`` (defaults as in the user docs). Out of
+    range (a negative rate, a beta of 1 or more) is refused here, at construction, as the
+    engine would refuse it (``trio_engine.optim.AdamConfig``)."""
 
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    learning_rate: Annotated[float, Field(ge=0)] = 1e-4
+    beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.999
+    eps: Annotated[float, Field(ge=0)] = 1e-12
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    grad_clip_norm: Annotated[float, Field(ge=0)] = 0.0  # 0: no clipping
 
 
 class SamplingParams(_Finite):

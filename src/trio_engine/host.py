@@ -346,13 +346,15 @@ class ModelHost:
         with self.lock:
             self.held_grads[key] = (adapter_id, self._save_grads({adapter_id})[adapter_id])
 
-    def release_grads(self, key: str, restore: bool) -> None:
+    def release_grads(self, key: str, restore: bool) -> bool:
         """Forget the grads held under ``key``, first putting them back if ``restore``.
-        An unknown key (never held, or lost with a restarted process) does nothing."""
+        Returns whether any were held: an unknown key (never held, or lost with a restarted
+        process) does nothing."""
         with self.lock:
             held = self.held_grads.pop(key, None)
             if restore and held is not None:
                 self._restore_grads({held[0]: held[1]})
+            return held is not None
 
     def _run(self, jobs: list[ForwardJob], backward: bool) -> list[ForwardResult]:
         rows = [(j, i) for j, job in enumerate(jobs) for i in range(len(job.examples))]

@@ -466,12 +466,14 @@ class ServiceCore:
             queued = sum(i.user_id == item.user_id and i.op in ("create_model", "create_model_from_state")
                          for w in self.workers.values() for i in w.snapshot())
             used = len(self.store.select(runs_table, user_id=item.user_id)) + queued
-            _quota("max_runs_per_user", "runs", used, lim.max_runs_per_user)
+            _quota("max_runs_per_user", "runs", used, lim.max_runs_per_user,
+                   "runs are kept (there is no deleting one), so ask the operator for more")
         if (isinstance(req, t.SaveWeightsRequest) and req.kind != "ephemeral"
                 and lim.max_checkpoint_bytes_per_user is not None):
             remove_expired_checkpoints(self.store, self.data_dir)  # expired ones take no room
             used = sum(r["size_bytes"] or 0 for r in self.store.select(checkpoints_table, user_id=item.user_id))
-            _quota("max_checkpoint_bytes_per_user", "checkpoint bytes", used, lim.max_checkpoint_bytes_per_user)
+            _quota("max_checkpoint_bytes_per_user", "checkpoint bytes", used, lim.max_checkpoint_bytes_per_user,
+                   "delete checkpoints, or ask the operator for more")
 
     def _check_capacity(self, user_id: str, count: int = 1) -> None:
         """Called under ``self.lock``, before anything changes: 429 when ``count`` more of the
@@ -776,8 +778,8 @@ def _checkpoint_of(row: dict) -> t.Checkpoint:
                         user_metadata=metadata)
 
 
-def _quota(name: str, what: str, used: int, limit: int) -> None:
+def _quota(name: str, what: str, used: int, limit: int, remedy: str) -> None:
     """A 403 (category validation: retrying will not help) when ``used`` reached ``limit``."""
     if used >= limit:
         raise ServiceError("validation", f"quota {name}: this user has {used} {what}, the limit is {limit}; "
-                           "delete checkpoints or ask the operator for more", 403)
+                           f"{remedy}", 403)

@@ -129,9 +129,11 @@ class Engine(Protocol):
         several passes holds them from before its first part until it ends)."""
         ...
 
-    def release_grads(self, key: str, run_id: str, restore: bool) -> None:
+    def release_grads(self, key: str, run_id: str, restore: bool) -> bool:
         """Free the grads held under ``key``; with ``restore``, first make them the run's
-        grads again (a part failed: the request adds nothing). Unknown keys do nothing."""
+        grads again (a part failed: the request adds nothing). False: nothing was held
+        under ``key``, the host having restarted since ``hold_grads``; the run's grads,
+        the later parts' alone, are then dropped."""
         ...
 
     def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]: ...
@@ -346,9 +348,12 @@ class LocalEngine:
     def hold_grads(self, key: str, run_id: str) -> None:
         self._resident(run_id).hold_grads(key, run_id)
 
-    def release_grads(self, key: str, run_id: str, restore: bool) -> None:
+    def release_grads(self, key: str, run_id: str, restore: bool) -> bool:
         host = self._resident(run_id) if restore and key in self.host.held_grads else self.host
-        host.release_grads(key, restore)
+        held = host.release_grads(key, restore)
+        if not held and host.has_adapter(run_id):  # restarted mid-request: partial sums
+            host.zero_grad(run_id)
+        return held
 
     def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]:
         metrics = self._resident(run_id).optim_step(run_id, config)

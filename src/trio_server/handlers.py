@@ -15,6 +15,7 @@ import secrets
 import shutil
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,6 +65,9 @@ class Context:
     ephemeral_per_run: int = 8  # unnamed sampler weights a run keeps (Limits.ephemeral_samplers_per_run)
     # run id -> the sums of its forming step (None: a call of it could not be counted)
     steps: dict[str, StepTotals | None] = field(default_factory=dict)
+    # run id -> forward_backward calls done since its last step (or load): an optim_step
+    # that finds no gradients after some lost them with a restarted model host
+    unstepped: Counter[str] = field(default_factory=Counter)
 
     def checkpoint_folder(self, path: str) -> str:
         return str(ckpt.folder(self.data_dir, *ckpt.parse_path(path)))
@@ -166,7 +170,11 @@ def finish_split(ctx: Context, split: Split, error: ServiceError | None) -> Resu
     held copy is freed and the parts' results merge into the request's."""
     item = split.whole
     if split.holds_grads:
-        _, release_error = _guard(ctx.engine.release_grads, item.request_id, item.request.model_id, error is not None)
+        held, release_error = _guard(ctx.engine.release_grads, item.request_id, item.request.model_id, error is not None)
+        if held is False and error is None:  # the earlier parts' gradients went with the host
+            error = ServiceError("server", "the model host restarted while this request ran in parts; the "
+                                 "gradients of its earlier parts were lost and the run's were dropped: submit "
+                                 "it again (and the forward_backward calls since the run's last step)", 500)
         if release_error and error is None:
             error = release_error
         elif release_error:
@@ -183,6 +191,7 @@ def finish_split(ctx: Context, split: Split, error: ServiceError | None) -> Resu
 
 
 def _count_in_step(ctx: Context, item: WorkItem, out: ForwardResult) -> None:
+    ctx.unstepped[item.request.model_id] += 1
     if not _record(item, _add_to_step, ctx, item, out):
         ctx.steps[item.request.model_id] = None  # its sums lack this call: not recorded
 
@@ -309,7 +318,14 @@ def _insert_run(ctx: Context, item: WorkItem, run_id: str, config: LoraConfig) -
 
 def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
     req: t.OptimStepRequest = item.request
+    before = ctx.store.get(runs_table, run_id=req.model_id)
     metrics = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))
+    calls = ctx.unstepped.pop(req.model_id, 0)
+    if calls and before is not None and int(metrics["step"]) == before["step"]:  # the host had no gradients
+        ctx.steps.pop(req.model_id, None)
+        raise ServiceError("server", f"optim_step: the gradients of the {calls} forward_backward call(s) since the "
+                           "run's last step were lost when its model host restarted; nothing changed. Run them "
+                           "again, then optim_step", 500)
     ctx.store.update(runs_table, "run_id", req.model_id, step=int(metrics["step"]))
     _record(item, _finish_step, ctx, req.model_id, metrics)
     return t.OptimStepResponse(metrics=metrics)
@@ -433,6 +449,7 @@ def _load_weights(ctx: Context, item: WorkItem) -> t.LoadWeightsResponse:
     req: t.LoadWeightsRequest = item.request
     ctx.engine.load_state(req.model_id, ctx.checkpoint_folder(req.path), req.with_optimizer)
     ctx.steps.pop(req.model_id, None)  # the loaded weights come without the pending gradients
+    ctx.unstepped.pop(req.model_id, None)
     ctx.store.update(runs_table, "run_id", req.model_id, step=ctx.engine.adapter_info(req.model_id).step)
     return t.LoadWeightsResponse(path=req.path)
 

@@ -147,8 +147,8 @@ class RayEngine:
     def hold_grads(self, key: str, run_id: str) -> None:
         self._call("hold_grads", key, run_id)
 
-    def release_grads(self, key: str, run_id: str, restore: bool) -> None:
-        self._call("release_grads", key, run_id, restore)
+    def release_grads(self, key: str, run_id: str, restore: bool) -> bool:
+        return self._call("release_grads", key, run_id, restore)
 
     def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]:
         return self._call("optim_step", run_id, config)

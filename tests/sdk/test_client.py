@@ -244,6 +244,8 @@ def test_rest_client(service, tmp_path, request):
     archive = rest.download_checkpoint_archive(path, tmp_path, progress=False)
     with tarfile.open(archive) as tar:
         assert {"rest-ckpt/adapter.safetensors", "rest-ckpt/trio_state.json"} <= set(tar.getnames())
+    into = rest.download_checkpoint_archive(path, f"{tmp_path}/new/", progress=False)  # a folder, made
+    assert into.parent == tmp_path / "new" and into.name == archive.name
     archives = _core_of(request).data_dir / "archives"
     assert any(p.name.startswith(tc.model_id) for p in archives.iterdir())  # built for the download
     rest.delete_checkpoint(path)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pydantic
 import pytest
 import torch
 
@@ -35,6 +36,14 @@ def test_model_input_helpers():
 def test_defaults_match_the_docs():
     p = trio.AdamParams()
     assert (p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay) == (1e-4, 0.9, 0.999, 1e-12, 0.0)
+
+
+@pytest.mark.parametrize("field, value", [("learning_rate", -1.0), ("beta1", 1.0), ("beta2", 2.0), ("beta1", -0.1),
+                                          ("eps", -1e-8), ("weight_decay", -0.01), ("grad_clip_norm", -1.0)])
+def test_adam_params_out_of_range_are_refused_at_construction(field, value):
+    with pytest.raises(pydantic.ValidationError, match=field):
+        trio.AdamParams(**{field: value})
+    trio.AdamParams(learning_rate=0.0, beta1=0.0, beta2=0.0, eps=0.0)  # the edges the engine accepts
 
 
 def test_import_does_not_import_torch():

@@ -285,14 +285,15 @@ def test_run_and_checkpoint_quotas_refuse_before_any_change(quota_server):
 
     service = quota_client(quota_server)
     tc = service.create_lora_training_client(base_model="trio/tiny-llama", rank=2)
-    with pytest.raises(trio.ValidationError, match=r"quota max_runs_per_user: this user has 1 runs, the limit is 1"):
+    with pytest.raises(trio.ValidationError, match=r"quota max_runs_per_user: this user has 1 runs, the limit is 1; "
+                                                   r"runs are kept .*ask the operator"):
         service.create_lora_training_client(base_model="trio/tiny-llama", rank=2)
     assert len(service.create_rest_client().list_training_runs()) == 1
     quota_client(quota_server).create_lora_training_client(base_model="trio/tiny-llama", rank=2)  # another user
 
     first = tc.save_state("first").result().path  # 0 bytes used < 1: allowed, and overshoots
     with pytest.raises(trio.ValidationError, match=r"quota max_checkpoint_bytes_per_user: this user has \d+ "
-                                                   r"checkpoint bytes, the limit is 1"):
+                                                   r"checkpoint bytes, the limit is 1; delete checkpoints"):
         tc.save_state("second").result()
     assert [c.path for c in service.create_rest_client().list_user_checkpoints()] == [first]
     assert not (quota_server.data_dir / "checkpoints" / tc.model_id / "weights" / "second").exists()

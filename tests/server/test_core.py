@@ -297,6 +297,24 @@ def test_calls_queued_at_a_crash_are_on_record_for_the_next_start(tmp_path):
     after.close()
 
 
+def test_an_optim_step_whose_gradients_a_host_restart_lost_fails_and_changes_nothing(tmp_path):
+    """A Ray host actor that died between forward_backward and optim_step comes back from the
+    run's snapshot without its gradients: the step is refused naming the lost calls (it was
+    a silent no-op answered as done), and once they are run again it steps."""
+    core = ServiceCore(tmp_path, dtype="float32")
+    tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    for _ in range(2):
+        tc.forward_backward([DATUM]).result()
+    core.workers[MODEL].engine.host.zero_grad(tc.model_id)  # as on a restarted host
+    with pytest.raises(trio.ServerError, match=r"gradients of the 2 forward_backward call\(s\) .* were lost"):
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    assert tc.get_info().step == 0
+    tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()  # nothing pending: the usual no-op
+    tc.forward_backward([DATUM]).result()
+    assert tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result().metrics["step"] == 1
+    core.close()
+
+
 def test_a_data_dir_has_one_owner_and_shared_users_leave_its_requests_alone(tmp_path):
     """A second service on a data dir in use is refused, naming the holder (it would fail
     the first one's requests at start-up and delete its sampler weights). A shared one (the

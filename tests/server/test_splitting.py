@@ -135,6 +135,35 @@ def test_a_later_part_failing_leaves_the_grads_exactly_as_before_and_the_run_goe
                                                     rel=1e-5)
 
 
+def test_a_host_restart_between_the_parts_fails_the_request_and_the_next_step(core):
+    """A host (a Ray actor) that restarts between two parts loses the first part's grads
+    and the copy held to go back to: the request fails (it answered done with the later
+    parts' grads alone), the run's partial grads are dropped, and the optim_step after it
+    is refused for the lost calls instead of stepping on what is left."""
+    tc = trainer(core, seed=9)
+    tc.forward_backward([datum()], "cross_entropy").result(timeout=120)  # grads pending, then lost too
+    engine = core.workers[MODEL].engine
+    real = engine.forward_backward
+    calls = []
+
+    def restarting_after_the_first_part(jobs):
+        calls.append(len(calls))
+        if len(calls) == 2:  # as a restarted host: nothing in memory but what snapshots restore
+            engine.host.held_grads.clear()
+            engine.host.zero_grad(tc.model_id)
+        return real(jobs)
+
+    engine.forward_backward = restarting_after_the_first_part
+    try:
+        with pytest.raises(trio.ServerError, match="restarted while this request ran in parts"):
+            tc.forward_backward([datum()] * 4, "cross_entropy").result(timeout=120)
+    finally:
+        del engine.forward_backward
+    assert all(g is None or not g.any() for g in grads(core, tc.model_id).values())
+    with pytest.raises(trio.ServerError, match="gradients of the 1 forward_backward call"):
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result(timeout=120)
+
+
 def test_another_users_request_runs_between_the_parts(core):
     flood, light = trainer(core, "flood"), trainer(core, "light")
     worker = core.workers[MODEL]
