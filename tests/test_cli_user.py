@@ -219,6 +219,16 @@ def test_download_shows_progress_and_resumes(world, capsys, tmp_path):
     assert sorted(p.name for p in again.iterdir()) == [archive.name]
 
 
+def test_ctrl_c_is_one_line_not_a_traceback(world, capsys, tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trio.RestClient, "download_checkpoint_archive", interrupted)
+    _, _, state, _ = world.runs[(TIED, True)]
+    code, out, err = trio_cli(capsys, "checkpoints", "download", state, str(tmp_path), *world.alice)
+    assert (code, out, err) == (130, "", "trio: interrupted\n")
+
+
 def test_download_dest_a_new_folder_by_its_slash_or_a_file_in_a_missing_folder(world, capsys, tmp_path):
     _, _, state, _ = world.runs[(TIED, True)]
     tinker_path = state.replace("trio://", "tinker://")  # the tinker SDK's name for it

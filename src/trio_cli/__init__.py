@@ -84,3 +84,6 @@ def main(argv: list[str] | None = None) -> None:
     except (CommandError, TrioError) as exc:
         print(f"trio: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C: no traceback (an interrupted download resumes when run again)
+        print("trio: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

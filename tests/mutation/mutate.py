@@ -136,10 +136,10 @@ def report(status: dict[str, str], equivalent: dict[str, str]) -> bool:
         names = [n for n in status if any(fnmatch.fnmatch(n, p) for p in patterns)]
         counts = Counter(verdict(n, status, equivalent) for n in names)
         scored = counts["killed"] + counts["survived"]  # of the checked, non-equivalent mutants
-        score = counts["killed"] / scored if scored else 1.0
-        ok &= score >= TARGET and not counts["unchecked"]
+        score = counts["killed"] / scored if scored else None  # None: none to score (yet)
+        ok &= not counts["unchecked"] and (score is None or score >= TARGET)
         print(f"{module:46} {len(names):7} {counts['killed']:7} {counts['equivalent']:6} "
-              f"{counts['survived']:8} {counts['unchecked']:9} {score:7.1%}")
+              f"{counts['survived']:8} {counts['unchecked']:9} {'-' if score is None else f'{score:.1%}':>7}")
     survivors = sorted(n for n in status if in_scope(n) and verdict(n, status, equivalent) == "survived")
     if survivors:
         print("\nSurvivors not listed as equivalent (see `mutmut show NAME`):")
