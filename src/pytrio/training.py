@@ -292,10 +292,17 @@ class TrainingClient:
             saved = await self.save_weights_for_sampler(name, overwrite)
         return await self.create_sampling_client_async(saved.path)
 
-    async def get_info_async(self) -> t.GetInfoResponse:
+    def get_info(self) -> t.GetInfoResponse:
         """The run's info once every call made before this one on this client has run:
         ``.step`` counts the ``optim_step`` calls made before it, awaited or not."""
-        await self._after_earlier_calls(self._take("get_info")[0])
+        return run_sync(self._get_info(self._take("get_info")[0]))  # its place taken in the caller's thread
+
+    async def get_info_async(self) -> t.GetInfoResponse:
+        """``get_info``, awaited."""
+        return await self._get_info(self._take("get_info")[0])
+
+    async def _get_info(self, ticket: Ticket) -> t.GetInfoResponse:
+        await self._after_earlier_calls(ticket)
         return await self._session.call("get_info", t.GetInfoRequest(model_id=self.model_id), t.GetInfoResponse)
 
     async def get_tokenizer_async(self) -> Any:
@@ -303,7 +310,6 @@ class TrainingClient:
 
     create_sampling_client = sync_twin(create_sampling_client_async)
     save_weights_and_get_sampling_client = sync_twin(save_weights_and_get_sampling_client_async)
-    get_info = sync_twin(get_info_async)
 
     def get_tokenizer(self) -> Any:
         """The base model's Hugging Face tokenizer (files come from the service)."""

@@ -158,25 +158,16 @@ class ServiceCore:
                 (a Ray actor per base model; see ``ray_engine.py``).
             ray_address: join this Ray cluster (None: start a local Ray instance).
             ray_placement: base model -> a Ray custom resource its actor needs.
-            share_data_dir: if another service holds the data dir, work beside it
-                without the start-up recovery (which would fail its requests and delete
-                its sampler weights) instead of raising ``DataDirInUse``. For the embedded
-                service: a ``trio checkpoints list`` while a script trains.
+            share_data_dir: if other services use the data dir, work beside them without
+                the start-up recovery (which would fail their requests and delete their
+                sampler weights) instead of raising ``DataDirInUse`` (see
+                ``lock_data_dir``). For the embedded service: a ``trio checkpoints list``,
+                or a second script, while a script trains.
         """
         from trio_engine import Catalog
 
         self.data_dir = Path(data_dir).absolute()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._data_dir_lock: IO[str] | None = None
-        self.owns_data_dir = True  # False: another service's, shared (``share_data_dir``)
-        try:
-            self._data_dir_lock = lock_data_dir(self.data_dir)
-        except DataDirInUse as exc:
-            if not share_data_dir:
-                raise
-            log.info("%s: sharing it, without start-up recovery", exc.args[0].split(";")[0])
-            self.owns_data_dir = False
-        self.store = Store(db_url or f"sqlite:///{self.data_dir / 'trio.db'}")
         self.catalog = catalog or Catalog()
         self.limits = limits
         self.idle_offload_seconds = idle_offload_seconds
@@ -209,8 +200,17 @@ class ServiceCore:
         self.arrivals = itertools.count()
         self.pending_by_user: Counter[str] = Counter()  # accepted, unfinished requests (queue bounds)
         self.unfinished: set[str] = set()  # their request ids
-        if self.owns_data_dir:
-            self._recover()
+        # False: other services use the data dir (``share_data_dir``), so no start-up recovery
+        self._data_dir_lock, self.owns_data_dir = lock_data_dir(self.data_dir, share_data_dir)
+        try:
+            self.store = Store(db_url or f"sqlite:///{self.data_dir / 'trio.db'}")
+            if self.owns_data_dir:
+                self._recover()
+                if share_data_dir and self._data_dir_lock is not None:
+                    share_lock(self._data_dir_lock)  # recovered: later sharers may join
+        except BaseException:  # a failed start holds nothing
+            self._unlock_data_dir()
+            raise
         # Stop the workers before the interpreter tears down: a worker thread still inside
         # torch while C++ statics are destroyed aborts the process ("terminate called
         # without an active exception"), and scripts rarely close an embedded service.
@@ -729,38 +729,61 @@ class ServiceCore:
         atexit.unregister(self.close)
         for worker in list(self.workers.values()):
             worker.stop()
+        self._unlock_data_dir()
+
+    def _unlock_data_dir(self) -> None:
         if self._data_dir_lock is not None:
             self._data_dir_lock.close()  # the lock goes with the file
             self._data_dir_lock = None
 
 
-def lock_data_dir(data_dir: Path) -> IO[str] | None:
-    """An exclusive lock on ``data_dir`` for one service's lifetime (a file lock, which the
-    OS frees when the process dies, however it dies). Two services on one data dir would
-    fail each other's requests at start-up, delete each other's sampler weights and train
-    the same runs apart. None where there are no POSIX file locks.
+def lock_data_dir(data_dir: Path, share: bool = False) -> tuple[IO[str] | None, bool]:
+    """A lock on ``data_dir`` for one service's lifetime (a file lock, which the OS frees
+    when the process dies, however it dies): (the open lock file, whether this service is
+    alone on it and so runs its start-up recovery).
+
+    Two services on one data dir would fail each other's requests at start-up, delete each
+    other's sampler weights and train the same runs apart. A service takes the lock
+    exclusively. One that may ``share`` (the embedded one) takes it exclusively if it can,
+    to recover, then shares it (``share_lock``); beside other sharers it joins them
+    without recovering; beside an exclusive holder (``trio serve``) it holds nothing and
+    does not recover. None, True where there are no POSIX file locks.
 
     Raises:
-        DataDirInUse: another service (in any process, this one included) holds it.
+        DataDirInUse: another service uses the data dir and this one may not share it.
     """
     try:
         import fcntl
     except ImportError:  # not POSIX
-        return None
+        return None, True
     lock = open(data_dir / "trio.lock", "a+")  # noqa: SIM115  (held open for the service's life)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
-        holder = lock.read().strip() or "another service"
-        lock.close()
-        raise DataDirInUse(f"data dir {data_dir} is in use by another TRIO service ({holder}); stop it, "
-                           "or give this one another data dir") from None
+        holder = lock.read().strip()
+        if not share:
+            lock.close()
+            raise DataDirInUse(f"data dir {data_dir} is in use by another TRIO service ({holder or 'a shared one'}); "
+                               "stop it, or give this one another data dir") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # a server's: share its data dir, holding nothing
+            lock.close()
+            return None, False
+        return lock, False
     lock.seek(0)
     lock.truncate()
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
     lock.flush()
-    return lock
+    return lock, True
+
+
+def share_lock(lock: IO[str]) -> None:
+    """Turn an exclusive data-dir lock into a shared one (``lock_data_dir``)."""
+    import fcntl
+
+    fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
 
 
 def _validated(model: type[M], body: Any, prefix: str = "") -> M:

@@ -132,8 +132,8 @@ class Engine(Protocol):
     def release_grads(self, key: str, run_id: str, restore: bool) -> bool:
         """Free the grads held under ``key``; with ``restore``, first make them the run's
         grads again (a part failed: the request adds nothing). False: nothing was held
-        under ``key``, the host having restarted since ``hold_grads``; the run's grads,
-        the later parts' alone, are then dropped."""
+        under ``key`` (the host restarted since ``hold_grads``, or that failed); without
+        ``restore`` the run's grads, the later parts' alone, are then dropped."""
         ...
 
     def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]: ...
@@ -351,8 +351,8 @@ class LocalEngine:
     def release_grads(self, key: str, run_id: str, restore: bool) -> bool:
         host = self._resident(run_id) if restore and key in self.host.held_grads else self.host
         held = host.release_grads(key, restore)
-        if not held and host.has_adapter(run_id):  # restarted mid-request: partial sums
-            host.zero_grad(run_id)
+        if not held and not restore and host.has_adapter(run_id):  # all parts ran, but the host
+            host.zero_grad(run_id)  # restarted since hold_grads: the later parts' sums alone
         return held
 
     def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]:

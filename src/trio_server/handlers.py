@@ -318,10 +318,10 @@ def _insert_run(ctx: Context, item: WorkItem, run_id: str, config: LoraConfig) -
 
 def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
     req: t.OptimStepRequest = item.request
-    before = ctx.store.get(runs_table, run_id=req.model_id)
-    metrics = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))
     calls = ctx.unstepped.pop(req.model_id, 0)
-    if calls and before is not None and int(metrics["step"]) == before["step"]:  # the host had no gradients
+    before = ctx.engine.adapter_info(req.model_id).step if calls else None  # the host's own count
+    metrics = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))
+    if calls and int(metrics["step"]) == before:  # the host had no gradients
         ctx.steps.pop(req.model_id, None)
         raise ServiceError("server", f"optim_step: the gradients of the {calls} forward_backward call(s) since the "
                            "run's last step were lost when its model host restarted; nothing changed. Run them "

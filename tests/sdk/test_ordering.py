@@ -174,13 +174,17 @@ def test_the_loss_runs_off_the_sdk_loop_and_may_call_the_sdk():
     assert seen["thread"] is not background_loop().thread and seen["logprobs"] == [None, -0.5]
 
 
-def test_the_loss_may_not_wait_for_its_own_client():
+@pytest.mark.parametrize("call", ["forward", "get_info"])
+def test_the_loss_may_not_wait_for_its_own_client(call):
     """An ordered call of the same client queues behind this very backward: refused, not hung."""
     service = FakeService()
     tc = trio.TrainingClient(Session(service), "run-1", MODEL)
 
     def loss(data, logprobs):
-        tc.forward([datum()]).result(WAIT)
+        if call == "forward":
+            tc.forward([datum()]).result(WAIT)
+        else:
+            tc.get_info()
         return total_logprob(data, logprobs)
 
     with pytest.raises(trio.ValidationError, match="loss_fn.*same TrainingClient"):

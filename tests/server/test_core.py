@@ -331,11 +331,24 @@ def test_a_data_dir_has_one_owner_and_shared_users_leave_its_requests_alone(tmp_
     with pytest.raises(DataDirInUse, match=rf"data dir {tmp_path} is in use by another TRIO service \(pid {os.getpid()} "):
         ServiceCore(tmp_path, dtype="float32")
     shared = ServiceCore(tmp_path, dtype="float32", share_data_dir=True)
+    assert not shared.owns_data_dir
     assert shared.store.get(requests_table, request_id=queued)["status"] == "pending"  # not failed as a restart's
     shared.close()
+    first.close()
+
+    # Sharers (embedded scripts): the first alone recovers, then all share; while any is
+    # alive a server is refused, and so its recovery cannot fail their requests.
+    sharers = [ServiceCore(tmp_path, dtype="float32", share_data_dir=True) for _ in range(2)]
+    assert [c.owns_data_dir for c in sharers] == [True, False]
+    sharers[0].close()
+    with pytest.raises(DataDirInUse):
+        ServiceCore(tmp_path, dtype="float32")
+    sharers[1].close()
+
+    with pytest.raises(Exception):  # a start that fails after taking the lock gives it back
+        ServiceCore(tmp_path, db_url="sqlite:////nonexistent/x.db", dtype="float32")
     leftover = tmp_path / "snapshots" / f".{run_id}.safetensors.1.2.tmp"
     leftover.write_bytes(b"partial")
-    first.close()
     ServiceCore(tmp_path, dtype="float32").close()
     assert not leftover.exists() and (tmp_path / "snapshots" / f"{run_id}.safetensors").exists()
 

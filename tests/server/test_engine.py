@@ -68,6 +68,22 @@ def test_every_change_a_client_is_told_of_is_on_disk_when_the_call_returns(engin
     assert on_disk() == 0
 
 
+def test_releasing_grads_never_held_keeps_them_unless_all_parts_ran(engine):
+    """``release_grads`` of a key the host does not hold: after a failed part (restore) the
+    run's grads stay as they are (the hold itself may have failed, touching nothing); after
+    all parts ran, they are the later parts' alone (a restart in between) and are dropped."""
+    engine.create_adapter("run-g", LoraConfig(rank=2))
+    engine.forward_backward([job("run-g")])
+
+    def grads():
+        return [p.grad for p in engine.host.adapter_params("run-g").values()]
+
+    assert engine.release_grads("never-held", "run-g", restore=True) is False
+    assert all(g is not None for g in grads()) and any(g.any() for g in grads())  # (A's are 0 while B is)
+    assert engine.release_grads("never-held", "run-g", restore=False) is False
+    assert all(g is None or not g.any() for g in grads())
+
+
 def test_a_new_engine_resumes_runs_from_their_snapshots(engine, tmp_path):
     engine.create_adapter("run-b", LoraConfig(rank=2, seed=4))
     for _ in range(2):
