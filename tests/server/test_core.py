@@ -315,6 +315,20 @@ def test_an_optim_step_whose_gradients_a_host_restart_lost_fails_and_changes_not
     core.close()
 
 
+def test_a_checkpoint_that_expired_while_the_service_was_down_goes_at_its_start(tmp_path):
+    from trio_server.store import checkpoints
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    path = tc.save_state("brief", ttl_seconds=60).result().path
+    folder = core.checkpoint_dir(tc.model_id, "weights", "brief")
+    core.store.update(checkpoints, "path", path, expires_at="2000-01-01T00:00:00.000+00:00")  # time passed
+    core.close()
+    assert folder.exists()
+    ServiceCore(tmp_path, dtype="float32").close()
+    assert not folder.exists()
+
+
 def test_a_data_dir_has_one_owner_and_shared_users_leave_its_requests_alone(tmp_path):
     """A second service on a data dir in use is refused, naming the holder (it would fail
     the first one's requests at start-up and delete its sampler weights). A shared one (the
