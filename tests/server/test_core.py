@@ -334,6 +334,8 @@ def test_a_data_dir_has_one_owner_and_shared_users_leave_its_requests_alone(tmp_
     the first one's requests at start-up and delete its sampler weights). A shared one (the
     embedded service's CLI beside a training script) starts without that recovery. A
     crash's leftover snapshot temporaries go at the owner's next start."""
+    import sqlalchemy as sa
+
     from trio_server.errors import DataDirInUse
     from trio_server.store import requests as requests_table
 
@@ -359,7 +361,7 @@ def test_a_data_dir_has_one_owner_and_shared_users_leave_its_requests_alone(tmp_
         ServiceCore(tmp_path, dtype="float32")
     sharers[1].close()
 
-    with pytest.raises(Exception):  # a start that fails after taking the lock gives it back
+    with pytest.raises(sa.exc.OperationalError):  # a start that fails after taking the lock gives it back
         ServiceCore(tmp_path, db_url="sqlite:////nonexistent/x.db", dtype="float32")
     leftover = tmp_path / "snapshots" / f".{run_id}.safetensors.1.2.tmp"
     leftover.write_bytes(b"partial")
