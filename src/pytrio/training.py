@@ -274,9 +274,7 @@ class TrainingClient:
         """A sampler over saved sampler weights (any ``trio://`` path you own)."""
         return await new_sampling_client(self._session, model_path=model_path)
 
-    async def save_weights_and_get_sampling_client_async(
-        self, name: str | None = None, overwrite: bool = False
-    ) -> SamplingClient:
+    def save_weights_and_get_sampling_client(self, name: str | None = None, overwrite: bool = False) -> SamplingClient:
         """Save the current weights for sampling and return a sampler on them.
 
         With a ``name``: a checkpoint, as ``save_weights_for_sampler(name, overwrite)``.
@@ -285,12 +283,24 @@ class TrainingClient:
         saved ``ephemeral_samplers_per_run`` (default 8) newer ones; a sampler on removed
         weights raises NotFoundError.
         """
+        return run_sync(self._sampling_client_on(self._save_for_sampler(name, overwrite)))
+
+    async def save_weights_and_get_sampling_client_async(
+        self, name: str | None = None, overwrite: bool = False
+    ) -> SamplingClient:
+        """``save_weights_and_get_sampling_client``, awaited."""
+        return await self._sampling_client_on(self._save_for_sampler(name, overwrite))
+
+    def _save_for_sampler(self, name: str | None, overwrite: bool) -> APIFuture:
+        """The save, its place in the order taken now, in the caller's thread (inside a
+        custom loss_fn that is refused, not left waiting behind its own backward)."""
         if name is None:
-            saved = await self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsForSamplerResponse,
-                                       kind="ephemeral")
-        else:
-            saved = await self.save_weights_for_sampler(name, overwrite)
-        return await self.create_sampling_client_async(saved.path)
+            return self._submit("save_weights", t.SaveWeightsRequest, t.SaveWeightsForSamplerResponse,
+                                kind="ephemeral")
+        return self.save_weights_for_sampler(name, overwrite)
+
+    async def _sampling_client_on(self, saved: APIFuture) -> SamplingClient:
+        return await self.create_sampling_client_async((await saved).path)
 
     def get_info(self) -> t.GetInfoResponse:
         """The run's info once every call made before this one on this client has run:
@@ -309,7 +319,6 @@ class TrainingClient:
         return await self._session.tokenizer(self.base_model)
 
     create_sampling_client = sync_twin(create_sampling_client_async)
-    save_weights_and_get_sampling_client = sync_twin(save_weights_and_get_sampling_client_async)
 
     def get_tokenizer(self) -> Any:
         """The base model's Hugging Face tokenizer (files come from the service)."""

@@ -174,7 +174,7 @@ def test_the_loss_runs_off_the_sdk_loop_and_may_call_the_sdk():
     assert seen["thread"] is not background_loop().thread and seen["logprobs"] == [None, -0.5]
 
 
-@pytest.mark.parametrize("call", ["forward", "get_info"])
+@pytest.mark.parametrize("call", ["forward", "get_info", "save_weights_and_get_sampling_client"])
 def test_the_loss_may_not_wait_for_its_own_client(call):
     """An ordered call of the same client queues behind this very backward: refused, not hung."""
     service = FakeService()
@@ -184,7 +184,7 @@ def test_the_loss_may_not_wait_for_its_own_client(call):
         if call == "forward":
             tc.forward([datum()]).result(WAIT)
         else:
-            tc.get_info()
+            getattr(tc, call)()
         return total_logprob(data, logprobs)
 
     with pytest.raises(trio.ValidationError, match="loss_fn.*same TrainingClient"):
