@@ -470,8 +470,9 @@ class ServiceCore:
                    "runs are kept (there is no deleting one), so ask the operator for more")
         if (isinstance(req, t.SaveWeightsRequest) and req.kind != "ephemeral"
                 and lim.max_checkpoint_bytes_per_user is not None):
-            remove_expired_checkpoints(self.store, self.data_dir)  # expired ones take no room
-            used = sum(r["size_bytes"] or 0 for r in self.store.select(checkpoints_table, user_id=item.user_id))
+            # expired ones take no room (the save itself removes them, off this request path)
+            used = sum(r["size_bytes"] or 0 for r in self.store.select(checkpoints_table, user_id=item.user_id)
+                       if not expired(r))
             _quota("max_checkpoint_bytes_per_user", "checkpoint bytes", used, lim.max_checkpoint_bytes_per_user,
                    "delete checkpoints, or ask the operator for more")
 

@@ -297,6 +297,11 @@ def test_run_and_checkpoint_quotas_refuse_before_any_change(quota_server):
         tc.save_state("second").result()
     assert [c.path for c in service.create_rest_client().list_user_checkpoints()] == [first]
     assert not (quota_server.data_dir / "checkpoints" / tc.model_id / "weights" / "second").exists()
+
+    from trio_server.store import checkpoints
+    quota_server.core.store.update(checkpoints, "path", first, expires_at="2000-01-01T00:00:00.000+00:00")
+    second = tc.save_state("second").result().path  # an expired checkpoint takes no room
+    assert [c.path for c in service.create_rest_client().list_user_checkpoints()] == [second]
     tc.save_weights_and_get_sampling_client()  # ephemeral sampler weights are not refused
 
 
