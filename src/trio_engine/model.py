@@ -210,14 +210,13 @@ def check_plain_head(spec: FamilySpec, model: Any) -> None:
     """
     if spec is not GENERIC:
         return
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    device = model.get_output_embeddings().weight.device
-    probe = (torch.arange(1, 9, device=device) * 7919 % vocab)[None]
+    head = model.get_output_embeddings()
+    probe = (torch.arange(1, 9, device=head.weight.device) * 7919 % head.weight.shape[0])[None]
     model_type = getattr(model.config, "model_type", None)
     try:
         with torch.no_grad():
             own = model(input_ids=probe, use_cache=False).logits.float()
-            plain = model.get_output_embeddings()(model.get_decoder()(input_ids=probe, use_cache=False)[0]).float()
+            plain = head(model.get_decoder()(input_ids=probe, use_cache=False)[0]).float()
     except Exception as exc:  # noqa: BLE001  (any failure means we cannot serve it)
         raise ModelNotAvailableError(f"model_type {model_type!r} is not a known family and its forward "
                                      f"failed on token ids alone ({type(exc).__name__}: {exc})") from exc
