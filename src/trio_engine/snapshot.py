@@ -89,6 +89,17 @@ def read(path: str | Path) -> Snapshot:
     return Snapshot(config, int(meta["step"]), meta["base_model"], load_file(str(path)))
 
 
+def step_of(path: str | Path) -> int | None:
+    """The step a snapshot holds, from its header alone; None if there is none."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return int((f.metadata() or {})["step"])
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
+
+
 def restore(host: Any, adapter_id: str, snap: Snapshot) -> None:
     """Create (or replace) ``adapter_id`` on the host exactly as captured."""
     if snap.base_model != host.model_name:

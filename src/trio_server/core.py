@@ -36,7 +36,7 @@ from pytrio import types as t
 from pytrio.errors import describe_validation_error
 
 from . import checkpoints as ckpt
-from .engine import Engine, EngineSettings, LocalEngine
+from .engine import Engine, EngineSettings, LocalEngine, snapshot_path
 from .errors import RESTART_MESSAGE, DataDirInUse, ServiceError, not_found, over_capacity
 from .handlers import Context, expired, remove_checkpoint, remove_expired_checkpoints, set_expiry
 from .queueing import QueueInfo, describe
@@ -234,6 +234,17 @@ class ServiceCore:
         max_seq = self.store.max_seq_by_run()
         for run in self.store.select(runs_table):
             self.next_seq[run["run_id"]] = max(run["next_seq"], max_seq.get(run["run_id"], -1) + 1)
+            self._reconcile_step(run)
+
+    def _reconcile_step(self, run: dict) -> None:
+        """A step is stored before its snapshot is on disk (it is answered after): a crash
+        between the two leaves the run at its snapshot's step, which the store then takes."""
+        from trio_engine import snapshot
+
+        step = snapshot.step_of(snapshot_path(self.engine_settings.snapshot_dir, run["run_id"]))
+        if step is not None and step != run["step"]:
+            log.warning("run %s: back at step %d, its snapshot's (the store said %d)", run["run_id"], step, run["step"])
+            self.store.update(runs_table, "run_id", run["run_id"], step=step)
 
     # -- submit / retrieve ------------------------------------------------------------
 
@@ -566,8 +577,8 @@ class ServiceCore:
             outcome = Outcome("failed", error=t.ErrorInfo(category=error.category, message=error.message,
                                                           status_code=error.status))
         if item.run_id is not None and item.seq is not None:
-            with self.lock:
-                self.next_seq[item.run_id] = item.seq + 1
+            with self.lock:  # (the worker moves it on when the request ran: never back)
+                self.next_seq[item.run_id] = max(self.next_seq.get(item.run_id, 0), item.seq + 1)
         try:
             self._store_outcome(item, outcome)
         except Exception:

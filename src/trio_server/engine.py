@@ -8,9 +8,12 @@ One engine serves one base model.
 
 Runs are named by their run id; checkpoints and snapshots by folders and files under
 the data dir, which every engine process must see (one machine, or a shared file
-system). After every ``optim_step``, ``load_state`` and ``create_adapter`` the engine
-writes the run's snapshot in the background (see ``SnapshotWriter``), so a run whose
-engine died comes back from its last completed step on its next request.
+system). Every change of a run a client is told of is in the run's snapshot before the
+client is: ``create_adapter`` and ``load_state`` write it before they return;
+``optim_step`` copies the run's state and returns, its write runs beside the next calls,
+and the service answers the step once ``durable`` says the write is done (see
+``SnapshotWriter``). A run whose engine died comes back from its last answered step on its
+next request.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ import os
 import secrets
 import socket
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trio_engine import (
     AdamConfig,
@@ -40,6 +43,9 @@ from trio_engine import (
     SampleResult,
 )
 
+if TYPE_CHECKING:
+    from trio_engine.snapshot import Snapshot
+
 log = logging.getLogger("trio.engine")
 
 
@@ -53,6 +59,19 @@ class EngineSettings:
     catalog: Catalog = field(default_factory=Catalog)
     max_sampler_adapters: int = 16  # LRU of loaded sampler weights
     snapshots: bool = True  # off only to measure what they cost (benchmarks/snapshot.py)
+
+
+@dataclass(frozen=True)
+class Durability:
+    """One snapshot write asked for: ``Engine.durable`` returns once it is on disk."""
+
+    engine: str  # the engine instance that writes it (one restarted since never will)
+    run_id: str
+    write: int  # the run's writes asked for, up to and including this one
+
+
+class SnapshotLost(RuntimeError):
+    """The engine that was to write a change died first: the change is gone."""
 
 
 @dataclass
@@ -105,7 +124,7 @@ def failure_from(exc: BaseException) -> Failure:
 
 class Engine(Protocol):
     """One base model's host, wherever it runs. Every method may block: one caller at a time
-    (the base model's worker thread), except ``tokenizer_files``.
+    (the base model's worker thread), except ``tokenizer_files`` and ``durable``.
 
     A method given a run id that is not in memory (offloaded, or lost with a crashed
     process) first restores the run from its snapshot; with none, it raises
@@ -136,7 +155,15 @@ class Engine(Protocol):
         ``restore`` the run's grads, the later parts' alone, are then dropped."""
         ...
 
-    def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]: ...
+    def optim_step(self, run_id: str, config: AdamConfig) -> tuple[dict[str, float], Durability | None]:
+        """Step the run: its metrics, and the snapshot write that keeps the step (None when
+        snapshots are off). The write runs on after the call: answer once ``durable``."""
+        ...
+
+    def durable(self, write: Durability) -> None:
+        """Return once ``write`` is on disk. Called from another thread than the others
+        (``worker.Answers``), beside them. Raises ``SnapshotLost`` if the engine died first."""
+        ...
 
     def adapter_info(self, run_id: str) -> AdapterInfo: ...
 
@@ -177,84 +204,128 @@ def snapshot_path(snapshot_dir: str | Path, run_id: str) -> Path:
     return Path(snapshot_dir) / f"{run_id}.safetensors"
 
 
+MAX_WAITING_COPIES = 2  # runs' state copies waiting for the snapshot writer (see SnapshotWriter)
+
+
 class SnapshotWriter:
     """Writes run snapshots: atomically, at most one write per run under way at a time.
 
-    ``commit(run)`` writes the run's state now and returns once it is on disk: every
-    change a client is told of (a step, a load, a new run) goes through it, so a crash
-    after the answer cannot undo it. ``mark(run)`` asks for a background write and
-    returns at once, for rewrites that lose nothing if they never land (a restored
-    snapshot's gradients dropped); marks coalesce into one write of the newest state.
+    Three ways in, by what the caller needs:
+
+    - ``commit(run)`` writes the run's state in the caller's thread and returns once it is
+      on disk: a new run, a loaded state (rare; their answers follow at once).
+    - ``submit(run)`` copies the run's state now, under the host's lock (so the next step
+      cannot change it mid-write), and writes the copy on the writer's thread; ``wait(run)``
+      returns once everything submitted for the run so far is on disk. ``optim_step`` uses
+      the pair: the step's answer waits in ``wait`` (``worker.Answers``) while the base
+      model's worker runs other users' work instead of waiting for the disk.
+    - ``mark(run)`` asks for a background write of what the run holds when the writer gets
+      to it, for rewrites that lose nothing if they never land (a restored snapshot's
+      gradients dropped).
+
+    Requests for a run whose write has not started yet coalesce into one write of the
+    newest state. At most ``MAX_WAITING_COPIES`` copies wait for the writer (each is the
+    size of the run's snapshot): past that, ``submit`` waits for a write to start, so
+    steps made faster than the disk takes them cannot fill the host's memory. A failed write (a full disk) is logged, not raised: the change is made
+    and answered, the run's next write tries again, and a crash before then returns the run
+    to its last snapshot.
     """
 
     def __init__(self, host: ModelHost, folder: str, enabled: bool = True):
         self.host, self.folder, self.enabled = host, folder, enabled
-        self.dirty: OrderedDict[str, None] = OrderedDict()
+        self.pending: OrderedDict[str, Snapshot | None] = OrderedDict()  # run -> its copy (None: copy when written)
         self.writing: set[str] = set()
+        self.asked: Counter[str] = Counter()  # run -> writes asked for so far
+        self.written: Counter[str] = Counter()  # run -> of those, how many its finished writes cover
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="trio-snapshots", daemon=True)
         self.thread.start()
 
     def mark(self, run_id: str) -> None:
-        if not self.enabled:
-            return
+        if self.enabled:
+            self._ask(run_id, None)
+
+    def submit(self, run_id: str) -> int | None:
+        """The number of the write asked for (None: snapshots are off)."""
+        from trio_engine import snapshot
+
+        return self._ask(run_id, snapshot.capture(self.host, run_id)) if self.enabled else None
+
+    def wait(self, run_id: str, write: int) -> None:
+        """Return once the run's ``write``-th write, or a later one, has finished."""
         with self.cond:
-            self.dirty[run_id] = None
-            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.written[run_id] >= write)
 
     def commit(self, run_id: str) -> None:
-        """The run's state on disk before returning (nothing when snapshots are off). A
-        failed write (a full disk) is logged, not raised: the change is made and answered,
-        and the next commit tries again; a crash before then returns to the last snapshot."""
         if not self.enabled:
             return
         try:
             self.write_now(run_id)
         except Exception:
-            log.exception("snapshot of run %s failed; a crash now would take it back to its last snapshot", run_id)
+            _log_failed_write(run_id)
 
     def write_now(self, run_id: str, with_grads: bool = False) -> None:
-        """Write synchronously, replacing any pending write of the run."""
+        """Write the run's current state in this thread, in place of any pending write of
+        it; raises if the write fails (``offload`` must not then free the run)."""
         with self.cond:
-            self.dirty.pop(run_id, None)
+            self.pending.pop(run_id, None)
+            self.asked[run_id] += 1
+            covers = self.asked[run_id]
             self.cond.wait_for(lambda: run_id not in self.writing)
             self.writing.add(run_id)
-        self._write_and_release(run_id, with_grads)
+        self._write_and_release(run_id, None, with_grads, covers)
 
     def flush(self) -> None:
         with self.cond:
-            self.cond.wait_for(lambda: not self.dirty and not self.writing)
+            self.cond.wait_for(lambda: not self.pending and not self.writing)
+
+    def _ask(self, run_id: str, copy: Snapshot | None) -> int:
+        with self.cond:
+            if copy is not None and self.pending.get(run_id) is None:  # one more copy to hold
+                self.cond.wait_for(lambda: sum(c is not None for c in self.pending.values()) < MAX_WAITING_COPIES)
+            self.asked[run_id] += 1
+            self.pending[run_id] = copy  # a run already waiting keeps its place: none starves
+            self.cond.notify_all()
+            return self.asked[run_id]
 
     def _loop(self) -> None:
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: any(r not in self.writing for r in self.dirty))
-                run_id = next(r for r in self.dirty if r not in self.writing)
-                del self.dirty[run_id]
+                self.cond.wait_for(lambda: any(r not in self.writing for r in self.pending))
+                run_id = next(r for r in self.pending if r not in self.writing)
+                copy = self.pending.pop(run_id)
                 self.writing.add(run_id)
+                covers = self.asked[run_id]
             try:
-                self._write_and_release(run_id, with_grads=False)
-            except Exception:  # a failed snapshot must not stop later ones; the next step retries
-                log.exception("snapshot of run %s failed; the run's previous snapshot stays", run_id)
+                self._write_and_release(run_id, copy, False, covers)
+            except Exception:  # a failed snapshot must not stop later ones
+                _log_failed_write(run_id)
 
-    def _write_and_release(self, run_id: str, with_grads: bool) -> None:
+    def _write_and_release(self, run_id: str, copy: Snapshot | None, with_grads: bool, covers: int) -> None:
         from trio_engine import snapshot
 
         try:
-            if self.host.has_adapter(run_id):  # else deleted meanwhile
-                snapshot.write(snapshot_path(self.folder, run_id), snapshot.capture(self.host, run_id, with_grads))
+            if copy is None and self.host.has_adapter(run_id):  # else deleted meanwhile
+                copy = snapshot.capture(self.host, run_id, with_grads)
+            if copy is not None:
+                snapshot.write(snapshot_path(self.folder, run_id), copy)
         finally:
             with self.cond:
                 self.writing.discard(run_id)
+                self.written[run_id] = max(self.written[run_id], covers)
                 self.cond.notify_all()
+
+
+def _log_failed_write(run_id: str) -> None:
+    log.exception("snapshot of run %s failed; a crash now would take it back to its last snapshot", run_id)
 
 
 class LocalEngine:
     """A ModelHost in this process (loaded on first use), behind the Engine protocol.
 
     Only the worker thread calls it (and ``tokenizer_files`` and ``load``, which only read,
-    from a request thread); the snapshot writer is its own thread and takes the host's lock
-    to read a run.
+    from a request thread, and ``durable``, which only waits); the snapshot writer is its
+    own thread and takes the host's lock to read a run.
     """
 
     def __init__(self, base_model: str, settings: EngineSettings, labels: dict[str, str] | None = None):
@@ -267,6 +338,7 @@ class LocalEngine:
         self.sampler_adapters: OrderedDict[str, str] = OrderedDict()  # weights folder -> adapter id
         self._decoding: DecodeBatch | None = None  # the running batch of ``decode``
         self._retired: set[str] = set()  # sampler adapters replaced while live rows used them
+        self.instance = secrets.token_hex(8)  # names this engine in its ``Durability`` tickets
 
     @property
     def host(self) -> ModelHost:
@@ -355,10 +427,15 @@ class LocalEngine:
             host.zero_grad(run_id)  # restarted since hold_grads: the later parts' sums alone
         return held
 
-    def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]:
+    def optim_step(self, run_id: str, config: AdamConfig) -> tuple[dict[str, float], Durability | None]:
         metrics = self._resident(run_id).optim_step(run_id, config)
-        self.snapshots.commit(run_id)  # before the step is answered: a crash cannot undo it
-        return metrics
+        write = self.snapshots.submit(run_id)
+        return metrics, None if write is None else Durability(self.instance, run_id, write)
+
+    def durable(self, write: Durability) -> None:
+        if write.engine != self.instance or self._snapshots is None:
+            raise SnapshotLost(f"run {write.run_id}: its engine restarted before the snapshot was written")
+        self._snapshots.wait(write.run_id, write.write)
 
     def adapter_info(self, run_id: str) -> AdapterInfo:
         config, step = self._resident(run_id).adapter_config(run_id)

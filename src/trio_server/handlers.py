@@ -320,7 +320,7 @@ def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
     req: t.OptimStepRequest = item.request
     calls = ctx.unstepped.pop(req.model_id, 0)
     before = ctx.engine.adapter_info(req.model_id).step if calls else None  # the host's own count
-    metrics = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))
+    metrics, item.context["durable"] = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))
     if calls and int(metrics["step"]) == before:  # the host had no gradients
         ctx.steps.pop(req.model_id, None)
         raise ServiceError("server", f"optim_step: the gradients of the {calls} forward_backward call(s) since the "

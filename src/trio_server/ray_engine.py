@@ -14,7 +14,8 @@ model can be pinned to nodes that offer a custom resource (``ray start --resourc
 Crashes: the actor restarts on its own (``max_restarts=-1``) with an empty model, and
 each run comes back from its snapshot on its next request. A call that was running
 when the actor died fails with a clear restart error, unless it only reads state:
-those are retried on the restarted actor.
+those are retried on the restarted actor. A step whose snapshot the dead actor had not
+yet written fails the same way when its answer is due (``RayEngine.durable``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,16 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from trio_engine import AdamConfig, ForwardJob, ForwardResult, LoraConfig, SampleResult
 
-from .engine import AdapterInfo, DecodeUpdate, EngineSettings, Failure, LocalEngine, SampleJob
+from .engine import (
+    AdapterInfo,
+    DecodeUpdate,
+    Durability,
+    EngineSettings,
+    Failure,
+    LocalEngine,
+    SampleJob,
+    SnapshotLost,
+)
 from .errors import ServiceError
 
 log = logging.getLogger("trio.server")
@@ -54,6 +64,11 @@ class HostActor:
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.engine, method)(*args)
 
+    @ray.method(concurrency_group="durable")
+    def durable(self, write: Durability) -> None:
+        """Its own thread: it waits for a snapshot write while ``call`` runs the next work."""
+        self.engine.durable(write)
+
 
 def connect(address: str | None) -> None:
     """Join the cluster at ``address``, or start a local Ray instance (once per process)."""
@@ -76,6 +91,15 @@ def check_cluster(device: str | None, placement: dict[str, str]) -> None:
         if resources.get(resource, 0) <= 0:
             raise ValueError(f"ray_placement: no node of this Ray cluster offers the resource {resource!r} "
                              f"that {model!r} is pinned to (ray start --resources)")
+
+
+def _result(ref: Any) -> Any:
+    """``ray.get``, re-raising the engine's own exception when it raised one."""
+    try:
+        return ray.get(ref)
+    except RayTaskError as exc:
+        cause = exc.cause
+        raise (cause if isinstance(cause, Exception) else exc) from None
 
 
 def wants_gpu(device: str | None) -> bool:
@@ -110,16 +134,15 @@ class RayEngine:
         threads = int(os.environ.get("TRIO_THREADS") or os.cpu_count() or 1)
         options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
         self.base_model = base_model
-        self.actor: Any = ray.remote(HostActor).options(**options).remote(base_model, settings, threads)
+        # ``durable`` waits in a group of its own, beside ``call`` (ray's stubs lack the argument)
+        actor_class = ray.remote(concurrency_groups={"durable": 1})(HostActor)  # type: ignore[call-overload]
+        self.actor: Any = actor_class.options(**options).remote(base_model, settings, threads)
 
     def _call(self, method: str, *args: Any) -> Any:
         deadline = time.monotonic() + RESTART_WAIT_SECONDS
         while True:
             try:
-                return ray.get(self.actor.call.remote(method, *args))
-            except RayTaskError as exc:  # the engine raised: re-raise its own exception
-                cause = exc.cause
-                raise (cause if isinstance(cause, Exception) else exc) from None
+                return _result(self.actor.call.remote(method, *args))
             except RayActorError:
                 if method not in RETRY_SAFE:
                     log.error("host actor of %s died during %s", self.base_model, method)
@@ -150,8 +173,17 @@ class RayEngine:
     def release_grads(self, key: str, run_id: str, restore: bool) -> bool:
         return self._call("release_grads", key, run_id, restore)
 
-    def optim_step(self, run_id: str, config: AdamConfig) -> dict[str, float]:
+    def optim_step(self, run_id: str, config: AdamConfig) -> tuple[dict[str, float], Durability | None]:
         return self._call("optim_step", run_id, config)
+
+    def durable(self, write: Durability) -> None:
+        """The actor writes its snapshots: if it died before this one landed (while we
+        waited, or before we asked: its restarted self is another engine), it is lost."""
+        try:
+            _result(self.actor.durable.remote(write))
+        except RayActorError:
+            raise SnapshotLost(f"run {write.run_id}: the host actor of {self.base_model} died before "
+                               "its snapshot was written") from None
 
     def adapter_info(self, run_id: str) -> AdapterInfo:
         return self._call("adapter_info", run_id)

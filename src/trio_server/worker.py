@@ -3,7 +3,8 @@
 The worker owns its queue and the fair-queueing state between users.
 ``scheduler.next_work`` (pure) picks what runs next and bills it to its users,
 ``handlers.execute`` runs it on the engine, and the core's ``resolve`` stores each
-outcome and wakes its waiters.
+outcome and wakes its waiters: through ``Answers``, which holds a step's answer until its
+snapshot is on disk without holding up the worker.
 
 Sampling is continuous batching: the worker keeps a decode batch running in the engine.
 Each turn of the loop admits the sample requests that arrived (``scheduler.next_work``),
@@ -26,11 +27,14 @@ arrived.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .engine import Engine, SnapshotLost
 from .errors import ServiceError
 from .handlers import Context, Result, decode, execute, finish_split, log_outcome
 from .queueing import OpDurations, QueueInfo, estimate_start
@@ -49,13 +53,91 @@ class Sequencing:
     gap_seconds: float  # how long a run's later requests wait for a missing one
 
 
+class Answers:
+    """Answers a worker's requests, each run's in the order they ran, none before the
+    change it reports is on disk.
+
+    An ``optim_step`` leaves its snapshot being written (``Engine.optim_step``): its
+    answer waits for the write on this class's thread, so the worker meanwhile runs other
+    work, other users' and the same run's next calls (its ``next_seq`` moves on at once).
+    A later answer of the same run queues behind it, so no client learns of a step that a
+    crash could still undo. Answers of runs with nothing queued go out at once, from the
+    worker's thread.
+    """
+
+    def __init__(self, name: str, engine: Engine, resolve: Callable[[WorkItem, Result], None], order: Sequencing):
+        self.engine, self.resolve, self.order = engine, resolve, order
+        self.queue: queue.SimpleQueue[tuple[WorkItem, Result] | None] = queue.SimpleQueue()
+        self.queued: Counter[str] = Counter()  # run id -> its answers in ``queue``
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def answer(self, item: WorkItem, result: Result) -> None:
+        """Called by the worker's thread alone, in the order the requests ran."""
+        run_id = item.run_id
+        if run_id is None:
+            self.resolve(item, result)
+            return
+        if item.seq is not None:
+            with self.order.lock:  # the run's next call may run now, whenever this is answered
+                self.order.next_seq[run_id] = max(self.order.next_seq.get(run_id, 0), item.seq + 1)
+        with self.lock:
+            held = bool(self.queued[run_id]) or _to_keep(item, result)
+            if held:
+                self.queued[run_id] += 1
+        if held:
+            self.queue.put((item, result))
+        else:
+            self.resolve(item, result)
+
+    def close(self) -> None:
+        """Answer what is queued, then stop."""
+        self.queue.put(None)
+        self.thread.join()
+
+    def _loop(self) -> None:
+        while (entry := self.queue.get()) is not None:
+            item, result = entry
+            if _to_keep(item, result):
+                result = self._kept(item, result)
+            try:
+                self.resolve(item, result)
+            except Exception:  # never the thread: every later answer waits on it
+                log.exception("request=%s: answering it failed", item.request_id)
+            run_id = item.run_id
+            assert run_id is not None  # only runs' answers queue
+            with self.lock:
+                self.queued[run_id] -= 1
+                if not self.queued[run_id]:
+                    del self.queued[run_id]
+
+    def _kept(self, item: WorkItem, result: Result) -> Result:
+        try:
+            self.engine.durable(item.context["durable"])
+            return result
+        except SnapshotLost as exc:
+            log.error("request=%s: %s", item.request_id, exc)
+            return None, ServiceError("server", "the model host restarted before this step reached the run's "
+                                      "snapshot, so the step is lost; run its forward_backward calls again, "
+                                      "then optim_step", 500)
+        except Exception as exc:
+            log.exception("request=%s: waiting for its snapshot failed", item.request_id)
+            return None, ServiceError("server", f"internal error saving the step: {type(exc).__name__}: {exc}", 500)
+
+
+def _to_keep(item: WorkItem, result: Result) -> bool:
+    """A done request whose change is still being written to its run's snapshot."""
+    return result[1] is None and item.context.get("durable") is not None
+
+
 class HostWorker:
     def __init__(self, ctx: Context, resolve: Callable[[WorkItem, Result], None], order: Sequencing,
                  idle_offload_seconds: float, max_batch_tokens: int | None = None,
                  max_pass_tokens: int | None = None, max_resident_runs: int | None = None):
         self.ctx = ctx
         self.engine = ctx.engine
-        self.resolve = resolve
+        self.answers = Answers(f"trio-answers-{ctx.base_model}", ctx.engine, resolve, order)
         self.order = order
         self.idle_offload_seconds = idle_offload_seconds
         self.max_resident_runs = max_resident_runs  # None: only idleness sends runs to disk
@@ -112,6 +194,7 @@ class HostWorker:
             self._stopped = True
             self.cond.notify()
         self.thread.join(30)
+        self.answers.close()
         self.engine.close()
 
     def _loop(self) -> None:
@@ -141,7 +224,7 @@ class HostWorker:
                 self._done([item])  # out of ``running`` before its caller can see it resolved
                 split = split_of(item)
                 if split is None:
-                    self.resolve(item, result)
+                    self.answers.answer(item, result)
                 else:
                     self._part_done(split, result)
         finally:
@@ -169,7 +252,7 @@ class HostWorker:
                 result = results[item.request_id]
                 log_outcome(item, result, (time.monotonic() - self.admitted_at.pop(item.request_id)) * 1000)
                 self._done([item])
-                self.resolve(item, result)
+                self.answers.answer(item, result)
         finally:
             self._done(finished)
 
@@ -193,7 +276,7 @@ class HostWorker:
         except Exception as exc:  # a bug merging must fail this request, not end the thread
             log.exception("request=%s: unexpected error finishing its parts", split.whole.request_id)
             outcome = (None, ServiceError("server", f"internal error merging parts: {type(exc).__name__}: {exc}", 500))
-        self.resolve(split.whole, outcome)
+        self.answers.answer(split.whole, outcome)
 
     def _execute(self, batch: list[WorkItem]) -> list[Result]:
         """``execute``, except that a bug escaping it fails this batch's requests with a server

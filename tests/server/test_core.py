@@ -30,8 +30,8 @@ DATUM = next_token_datum(list(range(1, 9)))
 def record_outcomes(worker) -> dict:
     """request id -> (result, error) of every request ``worker`` resolves from now on."""
     outcomes: dict = {}
-    real_resolve = worker.resolve
-    worker.resolve = lambda item, result: (outcomes.setdefault(item.request_id, result), real_resolve(item, result))
+    real_resolve = worker.answers.resolve
+    worker.answers.resolve = lambda item, result: (outcomes.setdefault(item.request_id, result), real_resolve(item, result))
     return outcomes
 
 
@@ -431,6 +431,23 @@ def test_a_restart_fails_in_flight_requests_drops_ephemeral_weights_and_resumes_
     after.close()
 
 
+def test_a_step_stored_whose_snapshot_write_a_crash_cut_is_undone_at_start(tmp_path):
+    """A step reaches the store before its snapshot is on disk (it is answered after both):
+    after a crash between the two, the run is at its snapshot's step, and so is the store."""
+    from trio_server.store import runs
+
+    before = ServiceCore(tmp_path, dtype="float32")
+    tc = trio.ServiceClient(transport=LocalTransport(before)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc.forward_backward([DATUM])
+    tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    before.store.update(runs, "run_id", tc.model_id, step=2)  # step 2 stored, its write never landed
+    before.close()
+
+    after = ServiceCore(tmp_path, dtype="float32")
+    assert after.get_run("local", tc.model_id).step == 1
+    after.close()
+
+
 def test_a_recently_used_run_is_not_offloaded(tmp_path):
     core = ServiceCore(tmp_path, dtype="float32", idle_offload_seconds=3600)
     tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
@@ -614,14 +631,14 @@ def test_a_request_has_left_running_when_it_is_resolved(tmp_path):
     tc = svc.create_lora_training_client(base_model=MODEL, rank=2)
     worker = core.workers[MODEL]
     still_running: list[tuple[str, bool]] = []
-    real_resolve = worker.resolve
+    real_resolve = worker.answers.resolve
 
     def spying_resolve(item, result):
         with worker.cond:
             still_running.append((item.op, item.request_id in worker.running))
         real_resolve(item, result)
 
-    worker.resolve = spying_resolve
+    worker.answers.resolve = spying_resolve
     tc.forward([DATUM]).result()
     params = trio.SamplingParams(max_tokens=3, temperature=1.0, seed=1)
     svc.create_sampling_client(base_model=MODEL).sample(trio.ModelInput.from_ints([1, 5, 9]), 1, params).result()
@@ -643,7 +660,7 @@ def test_a_short_sample_joins_a_running_decode_and_finishes_first(tmp_path):
     worker = core.workers[MODEL]
     permits = threading.Semaphore(0)
     steps: list[list[str]] = []  # requests still decoding after each step
-    real_decode, real_resolve = worker.engine.decode, worker.resolve
+    real_decode, real_resolve = worker.engine.decode, worker.answers.resolve
     resolved: list[str] = []
 
     entered: list[int] = []
@@ -660,7 +677,7 @@ def test_a_short_sample_joins_a_running_decode_and_finishes_first(tmp_path):
         resolved.append(f"sample-{item.request.sampling_params.max_tokens}" if sample else item.op)
         real_resolve(item, result)
 
-    worker.engine.decode, worker.resolve = gated_decode, spying_resolve
+    worker.engine.decode, worker.answers.resolve = gated_decode, spying_resolve
     prompt = trio.ModelInput.from_ints([1, 5, 9, 200])
     long_id = lambda w: next(iter(w.decoding))  # noqa: E731
     params = lambda n: trio.SamplingParams(max_tokens=n, temperature=1.0, seed=n, ignore_eos=True)  # noqa: E731
@@ -848,8 +865,8 @@ def test_a_user_who_used_the_host_waits_behind_one_who_did_not(tmp_path):
     long = list(range(1, 200))
     a.forward([next_token_datum(long)]).result()
     worker, order = core.workers[MODEL], []
-    real_resolve = worker.resolve
-    worker.resolve = lambda item, result: (order.append(item.user_id), real_resolve(item, result))
+    real_resolve = worker.answers.resolve
+    worker.answers.resolve = lambda item, result: (order.append(item.user_id), real_resolve(item, result))
     d = DATUM
     with worker.engine.host.lock:  # c's request runs and blocks; a's then b's queue behind it
         blocker = c.forward([d])
@@ -944,3 +961,32 @@ def test_expired_checkpoints_take_no_room_in_the_byte_quota(tmp_path):
         assert tc.save_state("third").result().path.endswith("/third")
     finally:
         core.close()
+
+
+def test_a_steps_snapshot_write_holds_up_its_answer_not_other_users(tmp_path, monkeypatch):
+    """While one run's step is being written to its snapshot, the worker serves another
+    user; the step, and the same run's calls after it, are answered once the write lands,
+    in their order."""
+    from trio_engine import snapshot
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    svc = trio.ServiceClient(transport=LocalTransport(core))
+    alice, bob = (svc.create_lora_training_client(base_model=MODEL, rank=2, seed=k) for k in range(2))
+    release, real_write = threading.Event(), snapshot.write
+    monkeypatch.setattr(snapshot, "write", lambda path, snap: (release.wait(), real_write(path, snap)))
+    answered: list[str] = []
+    real_resolve = core.workers[MODEL].answers.resolve
+    core.workers[MODEL].answers.resolve = lambda item, r: (answered.append(item.op), real_resolve(item, r))
+    try:
+        alice.forward_backward([DATUM])
+        step = alice.optim_step(trio.AdamParams(learning_rate=1e-2))
+        after = alice.forward([DATUM])  # runs meanwhile, answered after the step
+        bob.forward_backward([DATUM]).result(timeout=120)  # not held up by alice's write
+        wait_until(lambda: not core.workers[MODEL].pending and not core.workers[MODEL].running, "alice's forward to run")
+        held = not step.done() and not after.done()
+    finally:
+        release.set()
+    assert held
+    assert step.result().metrics["step"] == 1.0 and after.result() is not None
+    assert answered[-2:] == ["optim_step", "forward"]
+    core.close()

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from trio_engine import AdamConfig, Example, ForwardJob, LoraConfig, snapshot
-from trio_server.engine import EngineSettings, Failure, LocalEngine, snapshot_path
+from trio_server.engine import (
+    MAX_WAITING_COPIES,
+    EngineSettings,
+    Failure,
+    LocalEngine,
+    SnapshotLost,
+    snapshot_path,
+)
 
 from ..polling import wait_until
 
@@ -51,9 +58,10 @@ def test_marks_during_a_write_coalesce_into_one_more_write_of_the_newest_state(e
     assert snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-a")).step == 3
 
 
-def test_every_change_a_client_is_told_of_is_on_disk_when_the_call_returns(engine, tmp_path):
-    """A new run, a step, a loaded state: each is in the run's snapshot by the time the
-    engine returns (the answer follows), so a SIGKILL right after the answer keeps it."""
+def test_every_change_a_client_is_told_of_is_on_disk_before_it_is_answered(engine, tmp_path):
+    """A new run and a loaded state are in the run's snapshot when the call returns; a
+    step once ``durable`` returns (the service answers it then), so a SIGKILL right after
+    an answer keeps what it reported."""
     def on_disk() -> int:
         return snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-d")).step
 
@@ -62,10 +70,81 @@ def test_every_change_a_client_is_told_of_is_on_disk_when_the_call_returns(engin
     engine.save_state("run-d", str(tmp_path / "step0"))
     for step in (1, 2):
         engine.forward_backward([job("run-d")])
-        engine.optim_step("run-d", AdamConfig(learning_rate=1e-2))
-        assert on_disk() == step
+        metrics, write = engine.optim_step("run-d", AdamConfig(learning_rate=1e-2))
+        engine.durable(write)
+        assert on_disk() == step == metrics["step"]
     engine.load_state("run-d", str(tmp_path / "step0"), with_optimizer=True)
     assert on_disk() == 0
+
+
+def test_a_step_is_durable_once_its_write_lands_and_steps_meanwhile_share_one_write(engine, monkeypatch):
+    """optim_step returns before its snapshot is written; ``durable`` waits for that write.
+    Steps asked for while it is under way are kept by one more write, of the newest state."""
+    from threading import Event, Thread
+
+    engine.create_adapter("run-w", LoraConfig(rank=2))
+    release, written = Event(), []
+    real_write = snapshot.write
+
+    def held_write(path, snap):
+        release.wait()
+        written.append(snap.step)
+        real_write(path, snap)
+
+    monkeypatch.setattr(snapshot, "write", held_write)
+    engine.forward_backward([job("run-w")])
+    _, first = engine.optim_step("run-w", AdamConfig(learning_rate=1e-2))
+    waiter = Thread(target=engine.durable, args=(first,))
+    waiter.start()
+    wait_until(lambda: "run-w" in engine.snapshots.writing, "the writer to take step 1")
+    for _ in range(2):  # the engine goes on while step 1's write is held up
+        engine.forward_backward([job("run-w")])
+        _, last = engine.optim_step("run-w", AdamConfig(learning_rate=1e-2))
+    waiter.join(0.5)
+    still_waiting = waiter.is_alive()
+    release.set()
+    assert still_waiting  # step 1 was not kept before its write landed
+    waiter.join()
+    engine.durable(last)
+    assert written == [1, 3]
+    assert snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-w")).step == 3
+
+
+def test_steps_wait_for_the_writer_once_max_waiting_copies_are_held(engine, monkeypatch):
+    """Each step's copy waits in memory for the writer: past ``MAX_WAITING_COPIES`` of them
+    the next step waits for a write, so fast steps and a slow disk cannot exhaust memory."""
+    from threading import Event, Thread
+
+    runs = [f"run-m{k}" for k in range(MAX_WAITING_COPIES + 2)]
+    for run in runs:
+        engine.create_adapter(run, LoraConfig(rank=2))
+        engine.forward_backward([job(run)])
+    release, real_write = Event(), snapshot.write
+    monkeypatch.setattr(snapshot, "write", lambda path, snap: (release.wait(), real_write(path, snap)))
+    engine.optim_step(runs[0], AdamConfig(learning_rate=1e-2))
+    wait_until(lambda: runs[0] in engine.snapshots.writing, "the writer to take the first copy")
+    for run in runs[1:-1]:  # these copies wait for the writer
+        engine.optim_step(run, AdamConfig(learning_rate=1e-2))
+    last = Thread(target=engine.optim_step, args=(runs[-1], AdamConfig(learning_rate=1e-2)))
+    last.start()
+    last.join(0.5)
+    held_back = last.is_alive()
+    release.set()
+    last.join()
+    assert held_back  # one copy too many: the step waited for the writer
+    engine.flush()
+    assert [snapshot.read(snapshot_path(engine.settings.snapshot_dir, r)).step for r in runs] == [1] * len(runs)
+
+
+def test_durable_refuses_a_write_of_another_engine_instance(engine):
+    """A restarted engine (a Ray actor after a crash) never writes what its predecessor
+    was asked to: waiting for that must say the step is lost, not that it is kept."""
+    engine.create_adapter("run-x", LoraConfig(rank=2))
+    engine.forward_backward([job("run-x")])
+    _, write = engine.optim_step("run-x", AdamConfig(learning_rate=1e-2))
+    restarted = LocalEngine(MODEL, engine.settings)
+    with pytest.raises(SnapshotLost, match="run-x"):
+        restarted.durable(write)
 
 
 def test_releasing_grads_never_held_keeps_them_unless_all_parts_ran(engine):

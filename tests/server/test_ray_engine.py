@@ -22,7 +22,9 @@ import pytest
 
 import pytrio as trio
 from pytrio.transport.local import LocalTransport
+from trio_engine import AdamConfig
 from trio_server.core import ServiceCore
+from trio_server.engine import SnapshotLost
 
 from .snapshots import snapshot_step
 
@@ -142,10 +144,15 @@ def test_actor_sigkill_continues_from_last_completed_step(cores):
     train(tc, 2)
     assert snapshot_step(on_ray.data_dir, tc.model_id) == 2  # on disk when the step was answered
     before = logprobs(tc)
+    engine = on_ray.workers[MODEL].engine
+    _, write = engine.optim_step(tc.model_id, AdamConfig(learning_rate=1e-2))  # no grads: changes nothing
+    engine.durable(write)  # the actor's own write: waited for on its "durable" thread
     pid = tc.get_info().model_info["pid"]
     os.kill(pid, signal.SIGKILL)
 
     assert logprobs(tc) == pytest.approx(before, abs=1e-6)  # the next call: same weights
+    with pytest.raises(SnapshotLost):  # the restarted actor never writes what the dead one was asked
+        engine.durable(write)
     assert tc.get_info().model_info["pid"] != pid  # on a new actor process
     train(tc, 1, first=2)
     assert tc.get_info().step == 3

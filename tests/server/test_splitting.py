@@ -211,8 +211,8 @@ def test_a_bug_merging_the_parts_fails_that_request_not_the_worker(core, monkeyp
 
     tc = trainer(core, seed=11)
     worker, outcomes = core.workers[MODEL], []
-    real_resolve = worker.resolve
-    monkeypatch.setattr(worker, "resolve", lambda item, result: (outcomes.append(result), real_resolve(item, result)))
+    real_resolve = worker.answers.resolve
+    monkeypatch.setattr(worker.answers, "resolve", lambda item, result: (outcomes.append(result), real_resolve(item, result)))
     monkeypatch.setattr(worker_module, "finish_split", broken)
     with pytest.raises(trio.ServerError, match="internal error merging parts: RuntimeError: a bug merging"):
         tc.forward_backward([rl_datum()] * 3, "importance_sampling").result(timeout=120)

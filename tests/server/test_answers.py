@@ -1,0 +1,66 @@
+"""``worker.Answers``: a step is answered once its snapshot is on disk, each run's answers
+in the order its calls ran, and a write its engine never made turns the step into an error."""
+
+from __future__ import annotations
+
+import threading
+
+from trio_server.engine import Durability, SnapshotLost
+from trio_server.scheduler import WorkItem
+from trio_server.worker import Answers, Sequencing
+
+
+class HeldWrites:
+    """An engine whose snapshot writes land when the test says; ``lost`` ones never do."""
+
+    def __init__(self):
+        self.landed = threading.Event()
+        self.lost: set[int] = set()
+
+    def durable(self, write: Durability) -> None:
+        if write.write in self.lost:
+            raise SnapshotLost(f"run {write.run_id}: its engine restarted")
+        self.landed.wait()
+
+
+def item(op: str, run_id: str, seq: int, write: int | None = None) -> WorkItem:
+    work = WorkItem(request_id=f"{run_id}-{seq}", op=op, request=None, user_id="u", run_id=run_id, seq=seq)
+    if write is not None:
+        work.context["durable"] = Durability("engine-1", run_id, write)
+    return work
+
+
+def answers_to(engine: HeldWrites) -> tuple[Answers, list, dict[str, int]]:
+    answered: list = []
+    next_seq: dict[str, int] = {}
+    answers = Answers("test-answers", engine, lambda i, r: answered.append((i.request_id, r[1])),
+                      Sequencing(next_seq, threading.RLock(), 60.0))
+    return answers, answered, next_seq
+
+
+def test_a_step_and_its_runs_later_calls_wait_for_its_write_and_other_runs_do_not():
+    engine = HeldWrites()
+    answers, answered, next_seq = answers_to(engine)
+    ok = (object(), None)
+    answers.answer(item("optim_step", "a", 0, write=1), ok)
+    answers.answer(item("forward", "a", 1), ok)
+    answers.answer(item("forward", "b", 0), ok)
+    assert answered == [("b-0", None)]  # run b is answered at once, from the caller's thread
+    assert next_seq == {"a": 2, "b": 1}  # run a's next call may run before its answers go out
+    engine.landed.set()
+    answers.close()
+    assert [rid for rid, _ in answered] == ["b-0", "a-0", "a-1"]
+    answers.answer(item("forward", "a", 2), ok)  # nothing queued for a any more: at once
+    assert answered[-1] == ("a-2", None)
+
+
+def test_a_step_whose_write_its_engine_never_made_fails_and_says_to_run_it_again():
+    engine = HeldWrites()
+    engine.lost.add(1)
+    engine.landed.set()
+    answers, answered, _ = answers_to(engine)
+    answers.answer(item("optim_step", "a", 0, write=1), (object(), None))
+    answers.close()
+    ((rid, error),) = answered
+    assert rid == "a-0" and error.status == 500 and "step is lost" in error.message
+    assert "forward_backward calls again" in error.message
