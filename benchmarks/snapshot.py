@@ -6,15 +6,18 @@ identical but for ``EngineSettings.snapshots``. Each measured step is
 awaited before the next, as a plain training loop does. The snapshot is on disk before
 ``optim_step`` is answered (no answered step can be lost), so with one user its write is
 inside the step's time; with two users on one base model the worker runs one user's
-work while the other's step is written (``worker.Answers``). Steps run in blocks of
-``--block`` per service (per user), alternating (ABAB...); medians over ``--repeats`` blocks.
+work while the other's step is written (``worker.Answers``). The 1 x 64 steps are short
+beside the write (as a GPU's steps are beside a large model's snapshot), which is where
+holding up the worker would show. Steps run in blocks of ``--block`` per service (per
+user), alternating (ABAB...); medians over ``--repeats`` blocks.
 
     RESULT snapshot_train_step_8x128 ours=<steps/s with> baseline=<steps/s without> ratio=...
     RESULT snapshot_two_users_8x128 ours=<steps/s with> baseline=<steps/s without> ratio=...
+    RESULT snapshot_two_users_1x64 ours=<steps/s with> baseline=<steps/s without> ratio=...
     SNAPSHOT bytes=<file size> write_ms=<median time of one snapshot write, measured alone>
 
 Target: ratio >= 0.95 for both.
-Run: .venv/bin/python benchmarks/snapshot.py [--repeats 5] [--block 3]
+Run: .venv/bin/python benchmarks/snapshot.py [--repeats 5] [--block 3] [--only NAME]
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ from trio_server.core import ServiceCore
 from trio_server.engine import snapshot_path
 
 
-def dense_batch(vocab: int = 49152) -> list[trio.Datum]:
+def dense_batch(rows: int, tokens: int, vocab: int = 49152) -> list[trio.Datum]:
     rng = random.Random(0)
-    seqs = [[rng.randrange(vocab) for _ in range(129)] for _ in range(8)]
+    seqs = [[rng.randrange(vocab) for _ in range(tokens + 1)] for _ in range(rows)]
     return [trio.Datum(model_input=trio.ModelInput.from_ints(s[:-1]), loss_fn_inputs={"target_tokens": s[1:]})
             for s in seqs]
 
@@ -63,14 +66,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--block", type=int, default=3)
+    parser.add_argument("--only", help="measure only this RESULT name")
     args = parser.parse_args()
-    data = dense_batch()
     with tempfile.TemporaryDirectory() as tmp:
         (with_core, with_tcs), (_, without_tcs) = (service(Path(tmp) / name, on) for name, on in
                                                     (("with", True), ("without", False)))
         engine = with_core.workers[DEFAULT_MODEL].engine
 
-        def block(tcs, flush):
+        def block(tcs, data, flush):
             def run():
                 users = [threading.Thread(target=steps, args=(tc, data, args.block)) for tc in tcs]
                 for user in users:
@@ -80,9 +83,14 @@ def main() -> None:
                 flush()
             return run
 
-        for name, users in (("snapshot_train_step_8x128", 1), ("snapshot_two_users_8x128", 2)):
-            ours, base = timed_pair(block(with_tcs[:users], engine.flush), block(without_tcs[:users], lambda: None),
-                                    repeats=args.repeats)
+        for name, users, (rows, tokens) in (("snapshot_train_step_8x128", 1, (8, 128)),
+                                            ("snapshot_two_users_8x128", 2, (8, 128)),
+                                            ("snapshot_two_users_1x64", 2, (1, 64))):
+            if args.only and name != args.only:
+                continue
+            data = dense_batch(rows, tokens)
+            ours, base = timed_pair(block(with_tcs[:users], data, engine.flush),
+                                    block(without_tcs[:users], data, lambda: None), repeats=args.repeats)
             result(name, users * args.block / ours, users * args.block / base, unit=" (steps/s)")
 
         with_tc = with_tcs[0]

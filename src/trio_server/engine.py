@@ -226,9 +226,11 @@ class SnapshotWriter:
     Requests for a run whose write has not started yet coalesce into one write of the
     newest state. At most ``MAX_WAITING_COPIES`` copies wait for the writer (each is the
     size of the run's snapshot): past that, ``submit`` waits for a write to start, so
-    steps made faster than the disk takes them cannot fill the host's memory. A failed write (a full disk) is logged, not raised: the change is made
-    and answered, the run's next write tries again, and a crash before then returns the run
-    to its last snapshot.
+    steps made faster than the disk takes them cannot fill the host's memory.
+
+    A failed write (a full disk) is logged, not raised: the change is made and answered,
+    the run's next write tries again, and a crash before then returns the run to its last
+    snapshot.
     """
 
     def __init__(self, host: ModelHost, folder: str, enabled: bool = True):
