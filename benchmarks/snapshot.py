@@ -16,7 +16,7 @@ user), alternating (ABAB...); medians over ``--repeats`` blocks.
     RESULT snapshot_two_users_1x64 ours=<steps/s with> baseline=<steps/s without> ratio=...
     SNAPSHOT bytes=<file size> write_ms=<median time of one snapshot write, measured alone>
 
-Target: ratio >= 0.95 for both.
+Target: ratio >= 0.95 for each.
 Run: .venv/bin/python benchmarks/snapshot.py [--repeats 5] [--block 3] [--only NAME]
 """
 

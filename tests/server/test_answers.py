@@ -3,24 +3,33 @@ in the order its calls ran, and a write its engine never made turns the step int
 
 from __future__ import annotations
 
+import collections
 import threading
 
 from trio_server.engine import Durability, SnapshotLost
 from trio_server.scheduler import WorkItem
 from trio_server.worker import Answers, Sequencing
 
+from ..polling import wait_until
+
 
 class HeldWrites:
-    """An engine whose snapshot writes land when the test says; ``lost`` ones never do."""
+    """An engine whose snapshot writes land when the test says (``land``, or all at once
+    with ``landed``); ``lost`` ones never do."""
 
     def __init__(self):
         self.landed = threading.Event()
+        self.each: dict[int, threading.Event] = collections.defaultdict(threading.Event)
         self.lost: set[int] = set()
+
+    def land(self, write: int) -> None:
+        self.each[write].set()
 
     def durable(self, write: Durability) -> None:
         if write.write in self.lost:
             raise SnapshotLost(f"run {write.run_id}: its engine restarted")
-        self.landed.wait()
+        while not (self.landed.is_set() or self.each[write.write].wait(0.01)):
+            pass
 
 
 def item(op: str, run_id: str, seq: int, write: int | None = None) -> WorkItem:
@@ -52,6 +61,23 @@ def test_a_step_and_its_runs_later_calls_wait_for_its_write_and_other_runs_do_no
     assert [rid for rid, _ in answered] == ["b-0", "a-0", "a-1"]
     answers.answer(item("forward", "a", 2), ok)  # nothing queued for a any more: at once
     assert answered[-1] == ("a-2", None)
+
+
+def test_a_run_with_answers_still_queued_keeps_queueing_its_next_ones():
+    """Two steps queued: once the first is answered, the run's next call still queues
+    behind the second step, however many of its answers have gone out."""
+    engine = HeldWrites()
+    answers, answered, _ = answers_to(engine)
+    ok = (object(), None)
+    answers.answer(item("optim_step", "a", 0, write=1), ok)
+    answers.answer(item("optim_step", "a", 1, write=2), ok)
+    engine.land(1)
+    wait_until(lambda: answered == [("a-0", None)], "the first step's answer")
+    answers.answer(item("forward", "a", 2), ok)
+    assert answered == [("a-0", None)]  # behind step 2, whose write has not landed
+    engine.land(2)
+    answers.close()
+    assert [rid for rid, _ in answered] == ["a-0", "a-1", "a-2"]
 
 
 def test_a_step_whose_write_its_engine_never_made_fails_and_says_to_run_it_again():
