@@ -196,6 +196,8 @@ class ServiceCore:
         self.owners: dict[str, str] = {}  # request_id -> user_id, for in-memory futures
         self.idempotency: dict[tuple[str, str], str] = {}
         self.next_seq: dict[str, int] = {}
+        # run id -> forward_backward calls whose gradients the last crash lost (``_recover``)
+        self.lost_calls: Counter[str] = Counter()
         self.finished: deque[tuple[float, str, str | None]] = deque()  # (when, request id, idempotency key)
         self.arrivals = itertools.count()
         self.pending_by_user: Counter[str] = Counter()  # accepted, unfinished requests (queue bounds)
@@ -231,6 +233,8 @@ class ServiceCore:
         recover_folders(self.data_dir / "checkpoints")  # a checkpoint write the crash interrupted
         snapshot.remove_partial_writes(self.engine_settings.snapshot_dir)
         remove_expired_checkpoints(self.store, self.data_dir)  # after: a recovered folder of one goes too
+        # their gradients were in this process's memory: the runs' next steps say so
+        self.lost_calls.update(self.store.calls_since_last_step())
         max_seq = self.store.max_seq_by_run()
         for run in self.store.select(runs_table):
             self.next_seq[run["run_id"]] = max(run["next_seq"], max_seq.get(run["run_id"], -1) + 1)
@@ -547,7 +551,7 @@ class ServiceCore:
         with self.lock:
             if base_model not in self.workers:
                 ctx = Context(base_model, self._new_engine(base_model), self.store, self.data_dir,
-                              self.limits.ephemeral_samplers_per_run)
+                              self.limits.ephemeral_samplers_per_run, unstepped=Counter(self.lost_calls))
                 order = Sequencing(self.next_seq, self.lock, self.limits.seq_gap_seconds)
                 self.workers[base_model] = HostWorker(ctx, lambda item, r: self.resolve(item, *r), order,
                                                       self.idle_offload_seconds, self.limits.max_batch_tokens,

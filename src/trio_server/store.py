@@ -375,6 +375,20 @@ class Store:
         query = sa.select(requests.c.run_id, sa.func.max(requests.c.seq)).where(requests.c.seq.is_not(None)).group_by(requests.c.run_id)
         return self._transaction(lambda c: {run_id: seq for run_id, seq in c.execute(query)})
 
+    def calls_since_last_step(self) -> dict[str, int]:
+        """Per run, its done ``forward_backward`` calls after its last done ``optim_step``
+        or ``load_weights`` (the calls whose gradients are pending): read at start-up, when
+        a crash has lost those gradients."""
+        resets = (sa.select(requests.c.run_id, sa.func.max(requests.c.seq).label("seq"))
+                  .where(requests.c.status == "done", requests.c.op.in_(("optim_step", "load_weights")))
+                  .group_by(requests.c.run_id).subquery())
+        query = (sa.select(requests.c.run_id, sa.func.count())
+                 .select_from(requests.outerjoin(resets, requests.c.run_id == resets.c.run_id))
+                 .where(requests.c.status == "done", requests.c.op == "forward_backward",
+                        sa.or_(resets.c.seq.is_(None), requests.c.seq > resets.c.seq))
+                 .group_by(requests.c.run_id))
+        return self._transaction(lambda c: {run_id: n for run_id, n in c.execute(query)})
+
     def fail_pending(self, message: str) -> list[dict]:
         """At start-up: requests left pending by a crash become failed."""
         def work(c: sa.Connection) -> list[dict]:

@@ -315,6 +315,31 @@ def test_an_optim_step_whose_gradients_a_host_restart_lost_fails_and_changes_not
     core.close()
 
 
+def test_an_optim_step_after_a_service_restart_lost_its_gradients_is_refused_too(tmp_path):
+    """A restart of the whole service loses the gradients in memory as an actor restart
+    does: the calls since the run's last step are counted from the store at start-up, and
+    the next step is refused naming them (it was a silent no-op), not the calls before."""
+    before = ServiceCore(tmp_path, dtype="float32")
+    tc = trio.ServiceClient(transport=LocalTransport(before)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc.forward_backward([DATUM]).result()
+    tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    for _ in range(3):
+        tc.forward_backward([DATUM]).result()
+    failed = tc.forward_backward([trio.Datum(model_input=trio.ModelInput.from_ints([1, 2]),
+                                             loss_fn_inputs={"target_tokens": [5]})])  # refused: not counted
+    with pytest.raises(trio.TrioError):
+        failed.result()
+    before.close()
+
+    after = ServiceCore(tmp_path, dtype="float32")
+    tc._session.transport = LocalTransport(after)  # the same client carries on, as over HTTP
+    with pytest.raises(trio.ServerError, match=r"gradients of the 3 forward_backward call\(s\) .* were lost"):
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    tc.forward_backward([DATUM]).result()
+    assert tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result().metrics["step"] == 2
+    after.close()
+
+
 def test_a_checkpoint_that_expired_while_the_service_was_down_goes_at_its_start(tmp_path):
     from trio_server.store import checkpoints
 

@@ -69,6 +69,21 @@ def test_step_metrics_set_again_take_the_new_value_and_client_values_hide_the_se
     assert store.run_metrics("run-c") == []
 
 
+def test_calls_since_last_step_count_done_forward_backwards_after_the_last_step_or_load(db_url):
+    from trio_server.store import requests
+
+    store = Store(db_url)
+    rows = [("a", 0, "forward_backward", "done"), ("a", 1, "optim_step", "done"), ("a", 2, "forward_backward", "done"),
+            ("a", 3, "forward_backward", "failed"), ("a", 4, "forward", "done"), ("a", 5, "forward_backward", "done"),
+            ("b", 0, "forward_backward", "done"), ("b", 1, "forward_backward", "done"),  # never stepped
+            ("c", 0, "forward_backward", "done"), ("c", 1, "load_weights", "done"),  # loaded since
+            ("d", 0, "forward_backward", "done"), ("d", 1, "optim_step", "failed")]  # the step failed: still pending
+    for run, seq, op, status in rows:
+        store.insert(requests, request_id=f"req-{run}{seq}", user_id="u", op=op, run_id=run, seq=seq,
+                     status=status, created_at="2026-01-01")
+    assert store.calls_since_last_step() == {"a": 2, "b": 2, "d": 1}
+
+
 def test_usage_adds_up_per_user_and_run_and_budgets_belong_to_keys(db_url):
     """The incrementing upsert on both databases: counts add, rows stay per (user, run),
     a request of no run has its own row; budgets are set and lifted by key id or name."""
