@@ -12,8 +12,9 @@ system). Every change of a run a client is told of is in the run's snapshot befo
 client is: ``create_adapter`` and ``load_state`` write it before they return;
 ``optim_step`` copies the run's state and returns, its write runs beside the next calls,
 and the service answers the step once ``durable`` says the write is done (see
-``SnapshotWriter``). A run whose engine died comes back from its last answered step on its
-next request.
+``SnapshotWriter``). A run whose engine died comes back from its snapshot on its next
+request: every answered step is in it, and a step whose write landed just before the
+engine died is answered as done too (``written_before_it_died``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ class Durability:
     engine: str  # the engine instance that writes it (one restarted since never will)
     run_id: str
     write: int  # the run's writes asked for, up to and including this one
+    step: int  # the run's step it keeps
+
+
+def written_before_it_died(snapshot_dir: str, write: Durability) -> None:
+    """For a write whose engine died: return if it landed first (the run's snapshot holds
+    its step), else raise ``SnapshotLost``. No later step of the run can have been written
+    since: the run's next call waits for this one's answer."""
+    from trio_engine import snapshot
+
+    on_disk = snapshot.step_of(snapshot_path(snapshot_dir, write.run_id))
+    if on_disk is None or on_disk < write.step:
+        raise SnapshotLost(f"run {write.run_id}: its engine died before step {write.step} reached its snapshot "
+                           f"(which holds step {on_disk})")
 
 
 class SnapshotLost(RuntimeError):
@@ -248,10 +262,18 @@ class SnapshotWriter:
             self._ask(run_id, None)
 
     def submit(self, run_id: str) -> int | None:
-        """The number of the write asked for (None: snapshots are off)."""
+        """The number of the write asked for (None: snapshots are off). If the copy fails
+        (memory), the writer copies the run when it gets to it: the step stands either way."""
         from trio_engine import snapshot
 
-        return self._ask(run_id, snapshot.capture(self.host, run_id)) if self.enabled else None
+        if not self.enabled:
+            return None
+        try:
+            copy = snapshot.capture(self.host, run_id)
+        except Exception:
+            log.exception("copying run %s for its snapshot failed; the writer copies it when it gets to it", run_id)
+            copy = None
+        return self._ask(run_id, copy)
 
     def wait(self, run_id: str, write: int) -> None:
         """Return once the run's ``write``-th write, or a later one, has finished."""
@@ -432,12 +454,13 @@ class LocalEngine:
     def optim_step(self, run_id: str, config: AdamConfig) -> tuple[dict[str, float], Durability | None]:
         metrics = self._resident(run_id).optim_step(run_id, config)
         write = self.snapshots.submit(run_id)
-        return metrics, None if write is None else Durability(self.instance, run_id, write)
+        return metrics, None if write is None else Durability(self.instance, run_id, write, int(metrics["step"]))
 
     def durable(self, write: Durability) -> None:
-        if write.engine != self.instance or self._snapshots is None:
-            raise SnapshotLost(f"run {write.run_id}: its engine restarted before the snapshot was written")
-        self._snapshots.wait(write.run_id, write.write)
+        if write.engine != self.instance or self._snapshots is None:  # asked of an engine since restarted
+            written_before_it_died(self.settings.snapshot_dir, write)
+        else:
+            self._snapshots.wait(write.run_id, write.write)
 
     def adapter_info(self, run_id: str) -> AdapterInfo:
         config, step = self._resident(run_id).adapter_config(run_id)

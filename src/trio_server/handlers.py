@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -320,24 +321,28 @@ def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
     req: t.OptimStepRequest = item.request
     calls = ctx.unstepped.pop(req.model_id, 0)
     before = ctx.engine.adapter_info(req.model_id).step if calls else None  # the host's own count
-    metrics, item.context["durable"] = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))
+    metrics, write = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))
+    totals = ctx.steps.pop(req.model_id, None)
     if calls and int(metrics["step"]) == before:  # the host had no gradients
-        ctx.steps.pop(req.model_id, None)
         raise ServiceError("server", f"optim_step: the gradients of the {calls} forward_backward call(s) since the "
                            "run's last step were lost when its model host restarted; nothing changed. Run them "
                            "again, then optim_step", 500)
-    ctx.store.update(runs_table, "run_id", req.model_id, step=int(metrics["step"]))
-    _record(item, _finish_step, ctx, req.model_id, metrics)
+    store = partial(_store_step, ctx, item, req.model_id, metrics, totals)
+    if write is None:
+        store()
+    else:  # stored once the step is on disk (worker.Answers): until then a crash undoes it
+        item.context["durable"], item.context["when_kept"] = write, store
     return t.OptimStepResponse(metrics=metrics)
 
 
-def _finish_step(ctx: Context, run_id: str, optim_metrics: dict[str, float]) -> None:
-    """Store the step optim_step just made. With no gradients accumulated, optim_step
-    changes nothing, not even the step number: then no step was made, nothing is stored;
-    nor when a call of the step could not be counted (partial sums would mislead)."""
-    totals = ctx.steps.pop(run_id, None)
+def _store_step(ctx: Context, item: WorkItem, run_id: str, optim_metrics: dict[str, float],
+                totals: StepTotals | None) -> None:
+    """Store the step optim_step made: its number, and its metrics unless no step was made
+    (with no gradients accumulated optim_step changes nothing, not even the step number)
+    or a call of the step could not be counted (partial sums would mislead)."""
+    ctx.store.update(runs_table, "run_id", run_id, step=int(optim_metrics["step"]))
     if totals is not None:
-        ctx.store.put_metrics(run_id, int(optim_metrics["step"]), "service", totals.finish(optim_metrics))
+        _record(item, ctx.store.put_metrics, run_id, int(optim_metrics["step"]), "service", totals.finish(optim_metrics))
 
 
 def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:

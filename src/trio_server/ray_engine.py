@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from trio_engine import AdamConfig, ForwardJob, ForwardResult, LoraConfig, SampleResult
 
@@ -39,7 +39,7 @@ from .engine import (
     Failure,
     LocalEngine,
     SampleJob,
-    SnapshotLost,
+    written_before_it_died,
 )
 from .errors import ServiceError
 
@@ -50,6 +50,7 @@ HOST_RESTART_MESSAGE = "the model host restarted while this request was in fligh
 RETRY_SAFE = {"load", "tokenizer_files", "forward", "adapter_info", "prepare_sampler", "sample",
               "compute_logprobs", "flush"}
 RESTART_WAIT_SECONDS = 120.0
+DURABLE_WAIT_SECONDS = 600.0  # a snapshot write, behind at most a few others (SnapshotWriter)
 
 
 class HostActor:
@@ -93,10 +94,10 @@ def check_cluster(device: str | None, placement: dict[str, str]) -> None:
                              f"that {model!r} is pinned to (ray start --resources)")
 
 
-def _result(ref: Any) -> Any:
+def _result(ref: Any, timeout: float | None = None) -> Any:
     """``ray.get``, re-raising the engine's own exception when it raised one."""
     try:
-        return ray.get(ref)
+        return ray.get(ref, timeout=timeout)
     except RayTaskError as exc:
         cause = exc.cause
         raise (cause if isinstance(cause, Exception) else exc) from None
@@ -122,6 +123,7 @@ class RayEngine:
     def __init__(self, base_model: str, settings: EngineSettings, address: str | None = None,
                  resource: str | None = None):
         connect(address)
+        self.snapshot_dir = settings.snapshot_dir  # shared with the actor's node
         gpu = wants_gpu(settings.device)
         if gpu and settings.device and settings.device.startswith("cuda:"):
             settings = dataclasses.replace(settings, device="cuda")  # Ray shows the actor only its own GPU
@@ -177,13 +179,15 @@ class RayEngine:
         return self._call("optim_step", run_id, config)
 
     def durable(self, write: Durability) -> None:
-        """The actor writes its snapshots: if it died before this one landed (while we
-        waited, or before we asked: its restarted self is another engine), it is lost."""
+        """The actor writes its snapshots. If it dies while we wait (or died before we
+        asked: its restarted self is another engine, which checks the same way), or does not
+        answer within ``DURABLE_WAIT_SECONDS``, the snapshot on disk says whether the step
+        was kept."""
         try:
-            _result(self.actor.durable.remote(write))
-        except RayActorError:
-            raise SnapshotLost(f"run {write.run_id}: the host actor of {self.base_model} died before "
-                               "its snapshot was written") from None
+            _result(self.actor.durable.remote(write), timeout=DURABLE_WAIT_SECONDS)
+        except (RayActorError, GetTimeoutError):
+            log.warning("host actor of %s: no answer on run %s's snapshot; reading it", self.base_model, write.run_id)
+            written_before_it_died(self.snapshot_dir, write)
 
     def adapter_info(self, run_id: str) -> AdapterInfo:
         return self._call("adapter_info", run_id)

@@ -43,6 +43,8 @@ from .splitting import Split, maybe_split, merge_elapsed, split_of
 
 log = logging.getLogger("trio.server")
 
+IDLE_WAKE_SECONDS = 1.0  # how often an idle worker wakes for housekeeping (missing seqs, offloading)
+
 
 @dataclass
 class Sequencing:
@@ -57,16 +59,17 @@ class Answers:
     """Answers a worker's requests, each run's in the order they ran, none before the
     change it reports is on disk.
 
-    An ``optim_step`` leaves its snapshot being written (``Engine.optim_step``): its
-    answer waits for the write on this class's thread, so the worker meanwhile runs other
-    work, other users' and the same run's next calls (its ``next_seq`` moves on at once).
-    A later answer of the same run queues behind it, so no client learns of a step that a
-    crash could still undo. Answers of runs with nothing queued go out at once, from the
-    worker's thread.
+    An ``optim_step`` leaves its snapshot being written (``Engine.optim_step``): its answer
+    (and the storing of the step, ``when_kept``) waits for the write on this class's
+    thread, while the worker runs other users' work. The run's own next calls wait for the
+    answer (its ``next_seq`` moves on when it is resolved), so nothing they do, a checkpoint
+    of the new weights say, can outlive a crash that undoes the step. Answers of runs with
+    nothing held go out at once, from the worker's thread; a run's later answer queues
+    behind a held one.
     """
 
-    def __init__(self, name: str, engine: Engine, resolve: Callable[[WorkItem, Result], None], order: Sequencing):
-        self.engine, self.resolve, self.order = engine, resolve, order
+    def __init__(self, name: str, engine: Engine, resolve: Callable[[WorkItem, Result], None]):
+        self.engine, self.resolve = engine, resolve
         self.queue: queue.SimpleQueue[tuple[WorkItem, Result] | None] = queue.SimpleQueue()
         self.queued: Counter[str] = Counter()  # run id -> its answers in ``queue``
         self.lock = threading.Lock()
@@ -79,9 +82,6 @@ class Answers:
         if run_id is None:
             self.resolve(item, result)
             return
-        if item.seq is not None:
-            with self.order.lock:  # the run's next call may run now, whenever this is answered
-                self.order.next_seq[run_id] = max(self.order.next_seq.get(run_id, 0), item.seq + 1)
         with self.lock:
             held = bool(self.queued[run_id]) or _to_keep(item, result)
             if held:
@@ -91,10 +91,10 @@ class Answers:
         else:
             self.resolve(item, result)
 
-    def close(self) -> None:
-        """Answer what is queued, then stop."""
+    def close(self, timeout: float) -> None:
+        """Answer what is queued, then stop (what is left after ``timeout`` fails at the next start)."""
         self.queue.put(None)
-        self.thread.join()
+        self.thread.join(timeout)
 
     def _loop(self) -> None:
         while (entry := self.queue.get()) is not None:
@@ -113,9 +113,9 @@ class Answers:
                     del self.queued[run_id]
 
     def _kept(self, item: WorkItem, result: Result) -> Result:
+        """``result`` once its change is on disk and stored, or the error saying it is lost."""
         try:
             self.engine.durable(item.context["durable"])
-            return result
         except SnapshotLost as exc:
             log.error("request=%s: %s", item.request_id, exc)
             return None, ServiceError("server", "the model host restarted before this step reached the run's "
@@ -124,6 +124,11 @@ class Answers:
         except Exception as exc:
             log.exception("request=%s: waiting for its snapshot failed", item.request_id)
             return None, ServiceError("server", f"internal error saving the step: {type(exc).__name__}: {exc}", 500)
+        try:
+            item.context["when_kept"]()
+        except Exception:  # on disk, so done: the store catches up at the next start (_reconcile_step)
+            log.exception("request=%s: storing its step failed", item.request_id)
+        return result
 
 
 def _to_keep(item: WorkItem, result: Result) -> bool:
@@ -137,7 +142,7 @@ class HostWorker:
                  max_pass_tokens: int | None = None, max_resident_runs: int | None = None):
         self.ctx = ctx
         self.engine = ctx.engine
-        self.answers = Answers(f"trio-answers-{ctx.base_model}", ctx.engine, resolve, order)
+        self.answers = Answers(f"trio-answers-{ctx.base_model}", ctx.engine, self._resolve(resolve))
         self.order = order
         self.idle_offload_seconds = idle_offload_seconds
         self.max_resident_runs = max_resident_runs  # None: only idleness sends runs to disk
@@ -158,6 +163,15 @@ class HostWorker:
         self.decode_steps = 0  # decode steps run so far (tests and metrics watch it)
         self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{ctx.base_model}", daemon=True)
         self.thread.start()
+
+    def _resolve(self, resolve: Callable[[WorkItem, Result], None]) -> Callable[[WorkItem, Result], None]:
+        """``resolve``, then wake the worker: a held answer moves its run's ``next_seq`` on
+        from the answers' thread, and the run's next call, queued already, is now ready."""
+        def resolve_and_wake(item: WorkItem, result: Result) -> None:
+            resolve(item, result)
+            with self.cond:
+                self.cond.notify()
+        return resolve_and_wake
 
     def enqueue(self, item: WorkItem) -> None:
         """Queue a request: itself, or its first part if it is to run in parts."""
@@ -194,7 +208,7 @@ class HostWorker:
             self._stopped = True
             self.cond.notify()
         self.thread.join(30)
-        self.answers.close()
+        self.answers.close(60)
         self.engine.close()
 
     def _loop(self) -> None:
@@ -297,7 +311,7 @@ class HostWorker:
                 return None
             work = self._next_work()
             if not work.admit and not work.batch and not self.decoding:
-                self.cond.wait(timeout=1.0)
+                self.cond.wait(timeout=IDLE_WAKE_SECONDS)
                 work = self._next_work()
             self.fair = work.fair
             for item in work.admit + work.batch:

@@ -8,7 +8,7 @@ import threading
 
 from trio_server.engine import Durability, SnapshotLost
 from trio_server.scheduler import WorkItem
-from trio_server.worker import Answers, Sequencing
+from trio_server.worker import Answers
 
 from ..polling import wait_until
 
@@ -32,32 +32,35 @@ class HeldWrites:
             pass
 
 
+STORED: list[str] = []  # request ids whose ``when_kept`` ran, in order
+
+
 def item(op: str, run_id: str, seq: int, write: int | None = None) -> WorkItem:
     work = WorkItem(request_id=f"{run_id}-{seq}", op=op, request=None, user_id="u", run_id=run_id, seq=seq)
     if write is not None:
-        work.context["durable"] = Durability("engine-1", run_id, write)
+        work.context["durable"] = Durability("engine-1", run_id, write, step=write)
+        work.context["when_kept"] = lambda: STORED.append(work.request_id)
     return work
 
 
-def answers_to(engine: HeldWrites) -> tuple[Answers, list, dict[str, int]]:
+def answers_to(engine: HeldWrites) -> tuple[Answers, list]:
     answered: list = []
-    next_seq: dict[str, int] = {}
-    answers = Answers("test-answers", engine, lambda i, r: answered.append((i.request_id, r[1])),
-                      Sequencing(next_seq, threading.RLock(), 60.0))
-    return answers, answered, next_seq
+    STORED.clear()
+    return Answers("test-answers", engine, lambda i, r: answered.append((i.request_id, r[1]))), answered
 
 
 def test_a_step_and_its_runs_later_calls_wait_for_its_write_and_other_runs_do_not():
     engine = HeldWrites()
-    answers, answered, next_seq = answers_to(engine)
+    answers, answered = answers_to(engine)
     ok = (object(), None)
     answers.answer(item("optim_step", "a", 0, write=1), ok)
     answers.answer(item("forward", "a", 1), ok)
     answers.answer(item("forward", "b", 0), ok)
     assert answered == [("b-0", None)]  # run b is answered at once, from the caller's thread
-    assert next_seq == {"a": 2, "b": 1}  # run a's next call may run before its answers go out
+    assert STORED == []  # nor is the step stored before its write lands
     engine.landed.set()
-    answers.close()
+    answers.close(60)
+    assert STORED == ["a-0"]
     assert [rid for rid, _ in answered] == ["b-0", "a-0", "a-1"]
     answers.answer(item("forward", "a", 2), ok)  # nothing queued for a any more: at once
     assert answered[-1] == ("a-2", None)
@@ -67,7 +70,7 @@ def test_a_run_with_answers_still_queued_keeps_queueing_its_next_ones():
     """Two steps queued: once the first is answered, the run's next call still queues
     behind the second step, however many of its answers have gone out."""
     engine = HeldWrites()
-    answers, answered, _ = answers_to(engine)
+    answers, answered = answers_to(engine)
     ok = (object(), None)
     answers.answer(item("optim_step", "a", 0, write=1), ok)
     answers.answer(item("optim_step", "a", 1, write=2), ok)
@@ -76,7 +79,7 @@ def test_a_run_with_answers_still_queued_keeps_queueing_its_next_ones():
     answers.answer(item("forward", "a", 2), ok)
     assert answered == [("a-0", None)]  # behind step 2, whose write has not landed
     engine.land(2)
-    answers.close()
+    answers.close(60)
     assert [rid for rid, _ in answered] == ["a-0", "a-1", "a-2"]
 
 
@@ -84,9 +87,10 @@ def test_a_step_whose_write_its_engine_never_made_fails_and_says_to_run_it_again
     engine = HeldWrites()
     engine.lost.add(1)
     engine.landed.set()
-    answers, answered, _ = answers_to(engine)
+    answers, answered = answers_to(engine)
     answers.answer(item("optim_step", "a", 0, write=1), (object(), None))
-    answers.close()
+    answers.close(60)
     ((rid, error),) = answered
     assert rid == "a-0" and error.status == 500 and "step is lost" in error.message
     assert "forward_backward calls again" in error.message
+    assert STORED == []  # a lost step is not stored

@@ -27,6 +27,12 @@ def next_token_datum(tokens: list[int]) -> trio.Datum:
 DATUM = next_token_datum(list(range(1, 9)))
 
 
+def trainer(core: ServiceCore, user: str = "local", seed: int | None = None) -> trio.TrainingClient:
+    """A rank-2 training client of the tiny model on ``core``, for ``user``."""
+    return trio.ServiceClient(transport=LocalTransport(core, user)).create_lora_training_client(
+        base_model=MODEL, rank=2, seed=seed)
+
+
 def record_outcomes(worker) -> dict:
     """request id -> (result, error) of every request ``worker`` resolves from now on."""
     outcomes: dict = {}
@@ -71,8 +77,7 @@ def test_idle_runs_move_to_disk_and_come_back_unchanged(tmp_path):
     d = DATUM
     offloading = ServiceCore(tmp_path / "a", dtype="float32", idle_offload_seconds=0.3)
     resident = ServiceCore(tmp_path / "b", dtype="float32")  # the reference never offloads
-    runs = [trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(
-        base_model=MODEL, rank=2, seed=7) for core in (offloading, resident)]
+    runs = [trainer(core, seed=7) for core in (offloading, resident)]
     for tc in runs:
         tc.forward_backward([d])
         tc.optim_step(trio.AdamParams(learning_rate=1e-2))
@@ -251,7 +256,7 @@ def test_a_submit_that_loses_the_idempotency_race_returns_the_winner_and_leaves_
     from trio_server.store import requests
 
     core = ServiceCore(tmp_path, dtype="float32")
-    tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc = trainer(core)
     earlier = core.submit("local", "get_info", {"model_id": tc.model_id}, "k0")
     real_insert, losers = core.store.insert, []
 
@@ -282,8 +287,7 @@ def test_calls_queued_at_a_crash_are_on_record_for_the_next_start(tmp_path):
     from trio_server.errors import RESTART_MESSAGE
 
     before = ServiceCore(tmp_path, dtype="float32")
-    run_id = trio.ServiceClient(transport=LocalTransport(before)).create_lora_training_client(
-        base_model=MODEL, rank=2).model_id
+    run_id = trainer(before).model_id
     before.workers[MODEL].stop()  # nothing runs from here on: what is accepted stays queued, as at a crash
     first = before.next_seq.get(run_id, 0)
     ids = [before.submit("local", "forward_backward", {"model_id": run_id, "seq": first + k, "loss_fn": "cross_entropy",
@@ -302,7 +306,7 @@ def test_an_optim_step_whose_gradients_a_host_restart_lost_fails_and_changes_not
     run's snapshot without its gradients: the step is refused naming the lost calls (it was
     a silent no-op answered as done), and once they are run again it steps."""
     core = ServiceCore(tmp_path, dtype="float32")
-    tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc = trainer(core)
     for _ in range(2):
         tc.forward_backward([DATUM]).result()
     core.workers[MODEL].engine.host.zero_grad(tc.model_id)  # as on a restarted host
@@ -320,7 +324,7 @@ def test_an_optim_step_after_a_service_restart_lost_its_gradients_is_refused_too
     does: the calls since the run's last step are counted from the store at start-up, and
     the next step is refused naming them (it was a silent no-op), not the calls before."""
     before = ServiceCore(tmp_path, dtype="float32")
-    tc = trio.ServiceClient(transport=LocalTransport(before)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc = trainer(before)
     tc.forward_backward([DATUM]).result()
     tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
     for _ in range(3):
@@ -344,7 +348,7 @@ def test_a_checkpoint_that_expired_while_the_service_was_down_goes_at_its_start(
     from trio_server.store import checkpoints
 
     core = ServiceCore(tmp_path, dtype="float32")
-    tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc = trainer(core)
     path = tc.save_state("brief", ttl_seconds=60).result().path
     folder = core.checkpoint_dir(tc.model_id, "weights", "brief")
     core.store.update(checkpoints, "path", path, expires_at="2000-01-01T00:00:00.000+00:00")  # time passed
@@ -365,8 +369,7 @@ def test_a_data_dir_has_one_owner_and_shared_users_leave_its_requests_alone(tmp_
     from trio_server.store import requests as requests_table
 
     first = ServiceCore(tmp_path, dtype="float32")
-    run_id = trio.ServiceClient(transport=LocalTransport(first)).create_lora_training_client(
-        base_model=MODEL, rank=2).model_id
+    run_id = trainer(first).model_id
     first.workers[MODEL].stop()  # what is accepted from here on stays queued
     queued = first.submit("local", "forward", {"model_id": run_id, "seq": first.next_seq.get(run_id, 0), "data": [DATUM.model_dump()]})
     with pytest.raises(DataDirInUse, match=rf"data dir {tmp_path} is in use by another TRIO service \(pid {os.getpid()} "):
@@ -404,7 +407,7 @@ def test_a_call_the_store_cannot_record_is_refused_and_leaves_no_trace(tmp_path)
     from trio_server.store import requests
 
     core = ServiceCore(tmp_path, dtype="float32", limits=Limits(max_pending_per_user=1))
-    tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc = trainer(core)
     transport, body, real_insert = LocalTransport(core), {"model_id": tc.model_id}, core.store.insert
 
     def database_down(table, **row):
@@ -430,7 +433,7 @@ def test_a_restart_fails_in_flight_requests_drops_ephemeral_weights_and_resumes_
     from trio_server.store import checkpoints, now, requests
 
     before = ServiceCore(tmp_path, dtype="float32")
-    tc = trio.ServiceClient(transport=LocalTransport(before)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc = trainer(before)
     named = tc.save_weights_for_sampler("kept").result().path
     tc.save_weights_and_get_sampling_client()  # unnamed: ephemeral weights
     (row,) = before.store.select(checkpoints, kind="ephemeral")
@@ -462,20 +465,23 @@ def test_a_step_stored_whose_snapshot_write_a_crash_cut_is_undone_at_start(tmp_p
     from trio_server.store import runs
 
     before = ServiceCore(tmp_path, dtype="float32")
-    tc = trio.ServiceClient(transport=LocalTransport(before)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc = trainer(before)
     tc.forward_backward([DATUM])
     tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
     before.store.update(runs, "run_id", tc.model_id, step=2)  # step 2 stored, its write never landed
+    damaged = trainer(before)
     before.close()
+    snapshot_path(tmp_path / "snapshots", damaged.model_id).write_bytes(b"\xff" * 64)  # one damaged file
 
-    after = ServiceCore(tmp_path, dtype="float32")
+    after = ServiceCore(tmp_path, dtype="float32")  # starts all the same
     assert after.get_run("local", tc.model_id).step == 1
+    assert after.get_run("local", damaged.model_id).step == 0
     after.close()
 
 
 def test_a_recently_used_run_is_not_offloaded(tmp_path):
     core = ServiceCore(tmp_path, dtype="float32", idle_offload_seconds=3600)
-    tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc = trainer(core)
     tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
     worker = core.workers[MODEL]
     worker._offload_runs()  # the worker calls it after each batch and when idle; here at once
@@ -558,7 +564,7 @@ def test_runs_unused_past_the_idle_window_leave_memory_unless_queued():
 def test_each_worker_gets_the_cores_scheduling_and_memory_limits(tmp_path):
     limits = Limits(max_batch_tokens=99, max_pass_tokens=7, max_resident_runs=3)
     core = ServiceCore(tmp_path, dtype="float32", limits=limits, idle_offload_seconds=42)
-    trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    trainer(core)
     worker = core.workers[MODEL]
     assert (worker.max_batch_tokens, worker.max_pass_tokens, worker.max_resident_runs) == (99, 7, 3)
     assert worker.idle_offload_seconds == 42
@@ -614,8 +620,7 @@ def test_a_seq_still_queued_cannot_be_submitted_twice(tmp_path):
     from trio_server.errors import ServiceError
 
     core = ServiceCore(tmp_path, dtype="float32", limits=Limits(seq_gap_seconds=3600))
-    run_id = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(
-        base_model=MODEL, rank=2).model_id
+    run_id = trainer(core).model_id
     waiting = core.submit("local", "optim_step", {"model_id": run_id, "seq": 1, "adam_params": {}})  # waits for seq 0
     with pytest.raises(ServiceError, match="seq: 1 was already used") as refused:
         core.submit("local", "optim_step", {"model_id": run_id, "seq": 1, "adam_params": {}})
@@ -630,7 +635,7 @@ def test_a_run_records_its_next_seq_and_last_request_time(tmp_path):
     from trio_server.store import runs
 
     core = ServiceCore(tmp_path, dtype="float32")
-    tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+    tc = trainer(core)
     assert core.get_run("local", tc.model_id).last_request_at is None
     for _ in range(3):
         tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
@@ -642,9 +647,10 @@ def test_a_run_records_its_next_seq_and_last_request_time(tmp_path):
 def test_the_worker_is_a_named_daemon_thread(tmp_path):
     """Named for stack dumps and profilers; a daemon, so it never holds a process open."""
     core = ServiceCore(tmp_path, dtype="float32")
-    trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
-    thread = core.workers[MODEL].thread
+    trainer(core)
+    thread, answers = core.workers[MODEL].thread, core.workers[MODEL].answers.thread
     assert (thread.name, thread.daemon) == (f"trio-worker-{MODEL}", True)
+    assert (answers.name, answers.daemon) == (f"trio-answers-{MODEL}", True)
     core.close()
 
 
@@ -748,8 +754,7 @@ def test_a_submit_past_a_queue_bound_is_refused_before_anything_changes_and_a_re
                                                                 retry_after_seconds=2.5))
     caps = core.capabilities()
     assert (caps.max_pending_per_user, caps.max_pending_total) == (1, 2)
-    runs = {u: trio.ServiceClient(transport=LocalTransport(core, u)).create_lora_training_client(base_model=MODEL, rank=2)
-            for u in "abc"}
+    runs = {u: trainer(core, u) for u in "abc"}
     d = DATUM
 
     def forward(user: str, seq: int = 0) -> t.ForwardRequest:
@@ -885,8 +890,7 @@ def test_a_user_who_used_the_host_waits_behind_one_who_did_not(tmp_path):
     """Fair queueing remembers between batches: user a ran a long request, so a's next
     request, queued before b's, runs after it (with no memory, arrival order would win)."""
     core = ServiceCore(tmp_path, dtype="float32")
-    a, b, c = (trio.ServiceClient(transport=LocalTransport(core, user)).create_lora_training_client(
-        base_model=MODEL, rank=2) for user in "abc")
+    a, b, c = (trainer(core, user) for user in "abc")
     long = list(range(1, 200))
     a.forward([next_token_datum(long)]).result()
     worker, order = core.workers[MODEL], []
@@ -978,7 +982,7 @@ def test_expired_checkpoints_take_no_room_in_the_byte_quota(tmp_path):
 
     core = ServiceCore(tmp_path, dtype="float32", limits=Limits(max_checkpoint_bytes_per_user=1))
     try:
-        tc = trio.ServiceClient(transport=LocalTransport(core)).create_lora_training_client(base_model=MODEL, rank=2)
+        tc = trainer(core)
         path = tc.save_state("first").result().path  # at the quota from now on
         with pytest.raises(trio.ValidationError, match="max_checkpoint_bytes_per_user"):
             tc.save_state("second").result()
@@ -990,9 +994,10 @@ def test_expired_checkpoints_take_no_room_in_the_byte_quota(tmp_path):
 
 def test_a_steps_snapshot_write_holds_up_its_answer_not_other_users(tmp_path, monkeypatch):
     """While one run's step is being written to its snapshot, the worker serves another
-    user; the step, and the same run's calls after it, are answered once the write lands,
-    in their order."""
+    user; the step is answered (and stored) once the write lands, and the same run's next
+    call runs only then (a crash before it would undo the step the call built on)."""
     from trio_engine import snapshot
+    from trio_server.store import runs
 
     core = ServiceCore(tmp_path, dtype="float32")
     svc = trio.ServiceClient(transport=LocalTransport(core))
@@ -1005,13 +1010,31 @@ def test_a_steps_snapshot_write_holds_up_its_answer_not_other_users(tmp_path, mo
     try:
         alice.forward_backward([DATUM])
         step = alice.optim_step(trio.AdamParams(learning_rate=1e-2))
-        after = alice.forward([DATUM])  # runs meanwhile, answered after the step
+        after = alice.forward([DATUM])
         bob.forward_backward([DATUM]).result(timeout=120)  # not held up by alice's write
-        wait_until(lambda: not core.workers[MODEL].pending and not core.workers[MODEL].running, "alice's forward to run")
-        held = not step.done() and not after.done()
+        wait_until(lambda: [i.op for i in core.workers[MODEL].pending] == ["forward"], "alice's forward to queue")
+        held = not step.done() and core.store.get(runs, run_id=alice.model_id)["step"] == 0
     finally:
         release.set()
-    assert held
+    assert held  # neither answered nor stored, and alice's forward waits for it
     assert step.result().metrics["step"] == 1.0 and after.result() is not None
+    assert core.store.get(runs, run_id=alice.model_id)["step"] == 1
     assert answered[-2:] == ["optim_step", "forward"]
+    core.close()
+
+
+def test_a_runs_next_call_runs_as_soon_as_its_held_step_is_answered(tmp_path, monkeypatch):
+    """A step is answered from the answers' thread once its snapshot is written; the run's
+    next call, already queued, must run then, not when the idle worker next wakes (made
+    an hour here, so a worker left asleep fails the test instead of slowing every loop)."""
+    from trio_server import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "IDLE_WAKE_SECONDS", 3600.0)
+    core = ServiceCore(tmp_path, dtype="float32")
+    tc = trainer(core)
+    steps = []
+    for _ in range(3):  # sent at once, each waiting for the answer before it
+        tc.forward_backward([DATUM])
+        steps.append(tc.optim_step(trio.AdamParams(learning_rate=1e-2)))
+    assert [s.result(timeout=120).metrics["step"] for s in steps] == [1.0, 2.0, 3.0]
     core.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from trio_engine import AdamConfig, Example, ForwardJob, LoraConfig, snapshot
@@ -136,15 +138,37 @@ def test_steps_wait_for_the_writer_once_max_waiting_copies_are_held(engine, monk
     assert [snapshot.read(snapshot_path(engine.settings.snapshot_dir, r)).step for r in runs] == [1] * len(runs)
 
 
-def test_durable_refuses_a_write_of_another_engine_instance(engine):
+def test_a_step_whose_state_copy_fails_stands_and_is_written_all_the_same(engine, monkeypatch):
+    """The step is made before its state is copied for the snapshot: a failed copy (memory)
+    must not fail the request (a retry would step twice); the writer copies the run itself."""
+    engine.create_adapter("run-c", LoraConfig(rank=2))
+    engine.forward_backward([job("run-c")])
+    real_capture, calls = snapshot.capture, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("no room for the copy")
+        return real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(snapshot, "capture", failing_once)
+    metrics, write = engine.optim_step("run-c", AdamConfig(learning_rate=1e-2))
+    engine.durable(write)
+    assert snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-c")).step == metrics["step"] == 1
+
+
+def test_a_restarted_engine_answers_for_its_predecessors_writes_from_the_disk(engine):
     """A restarted engine (a Ray actor after a crash) never writes what its predecessor
-    was asked to: waiting for that must say the step is lost, not that it is kept."""
+    was asked to: asked about such a write, it reads the run's snapshot, and says the step
+    is lost unless the write had landed (then the step is kept, and a redo would apply it twice)."""
     engine.create_adapter("run-x", LoraConfig(rank=2))
     engine.forward_backward([job("run-x")])
     _, write = engine.optim_step("run-x", AdamConfig(learning_rate=1e-2))
+    engine.durable(write)
     restarted = LocalEngine(MODEL, engine.settings)
+    restarted.durable(write)  # landed before the restart
     with pytest.raises(SnapshotLost, match="run-x"):
-        restarted.durable(write)
+        restarted.durable(dataclasses.replace(write, step=write.step + 1))  # never landed
 
 
 def test_releasing_grads_never_held_keeps_them_unless_all_parts_ran(engine):
