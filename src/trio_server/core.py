@@ -241,8 +241,9 @@ class ServiceCore:
             self._reconcile_step(run)
 
     def _reconcile_step(self, run: dict) -> None:
-        """A step is stored before its snapshot is on disk (it is answered after): a crash
-        between the two leaves the run at its snapshot's step, which the store then takes."""
+        """The run's step is stored once its snapshot is written: a crash between the two
+        leaves the store a step behind, and a failed write (logged) leaves it ahead. The
+        run resumes from its snapshot, so the store takes the snapshot's step."""
         from trio_engine import snapshot
 
         step = snapshot.step_of(snapshot_path(self.engine_settings.snapshot_dir, run["run_id"]))
@@ -581,7 +582,7 @@ class ServiceCore:
             outcome = Outcome("failed", error=t.ErrorInfo(category=error.category, message=error.message,
                                                           status_code=error.status))
         if item.run_id is not None and item.seq is not None:
-            with self.lock:  # (the worker moves it on when the request ran: never back)
+            with self.lock:  # never back: an idle worker may have skipped past a seq that never came
                 self.next_seq[item.run_id] = max(self.next_seq.get(item.run_id, 0), item.seq + 1)
         try:
             self._store_outcome(item, outcome)

@@ -91,6 +91,11 @@ class Answers:
         else:
             self.resolve(item, result)
 
+    def holds(self, run_id: str) -> bool:
+        """Whether an answer of the run is queued here."""
+        with self.lock:
+            return bool(self.queued[run_id])
+
     def close(self, timeout: float) -> None:
         """Answer what is queued, then stop (what is left after ``timeout`` fails at the next start)."""
         self.queue.put(None)
@@ -331,6 +336,8 @@ class HostWorker:
             stalled = stalled_runs(self.pending, self.order.next_seq, self.queued_at, time.monotonic(),
                                    self.order.gap_seconds)
         for run_id, seq in stalled.items():
+            if self.answers.holds(run_id):  # its next seq ran: the answer waits for a snapshot write
+                continue
             log.warning("run %s: requests %d..%d never arrived; continuing at %d",
                         run_id, self.order.next_seq.get(run_id, 0), seq - 1, seq)
             with self.order.lock:

@@ -460,8 +460,9 @@ def test_a_restart_fails_in_flight_requests_drops_ephemeral_weights_and_resumes_
 
 
 def test_a_step_stored_whose_snapshot_write_a_crash_cut_is_undone_at_start(tmp_path):
-    """A step reaches the store before its snapshot is on disk (it is answered after both):
-    after a crash between the two, the run is at its snapshot's step, and so is the store."""
+    """The store and the snapshot can disagree on a run's step after a crash (a failed
+    write is counted as done; a crash can fall between a write and the store's update):
+    the run resumes from its snapshot's step, and so does the store."""
     from trio_server.store import runs
 
     before = ServiceCore(tmp_path, dtype="float32")
@@ -1037,4 +1038,33 @@ def test_a_runs_next_call_runs_as_soon_as_its_held_step_is_answered(tmp_path, mo
         tc.forward_backward([DATUM])
         steps.append(tc.optim_step(trio.AdamParams(learning_rate=1e-2)))
     assert [s.result(timeout=120).metrics["step"] for s in steps] == [1.0, 2.0, 3.0]
+    core.close()
+
+
+def test_a_call_behind_a_held_step_is_not_taken_for_one_after_a_missing_seq(tmp_path, monkeypatch):
+    """The call after a step whose answer waits for its snapshot write is queued, not
+    stalled: however long the write takes (past ``seq_gap_seconds`` here, which is 0), the
+    worker must not skip the step's seq as never sent and run the call before the answer."""
+    from trio_engine import snapshot
+
+    core = ServiceCore(tmp_path, dtype="float32", limits=Limits(seq_gap_seconds=0.0))
+    tc = trainer(core)
+    worker = core.workers[MODEL]
+    release, real_write = threading.Event(), snapshot.write
+    monkeypatch.setattr(snapshot, "write", lambda path, snap: (release.wait(), real_write(path, snap)))
+    skips = []
+    real_skip = worker._skip_missing_seqs
+    monkeypatch.setattr(worker, "_skip_missing_seqs", lambda: (skips.append(1), real_skip()))
+    try:
+        tc.forward_backward([DATUM])
+        step = tc.optim_step(trio.AdamParams(learning_rate=1e-2))
+        after = tc.forward([DATUM])
+        wait_until(lambda: [i.op for i in worker.pending] == ["forward"], "the forward to queue")
+        seen = len(skips)
+        wait_until(lambda: len(skips) >= seen + 2, "the idle worker to look for missing seqs")
+        still_queued = [i.op for i in worker.pending] == ["forward"] and not step.done()
+    finally:
+        release.set()
+    assert still_queued
+    assert step.result().metrics["step"] == 1.0 and after.result() is not None
     core.close()
