@@ -170,9 +170,12 @@ def _hub_reachable(timeout: float = 2.0) -> bool:
 
 
 def load_model_and_tokenizer(
-    source: ModelSource, dtype: Any, seed: int = 0, device: Any = "cpu"
+    source: ModelSource, dtype: Any, seed: int = 0, device: Any = "cpu", fused_norms: bool = True
 ) -> tuple[Any, Any]:
     """Load (model, tokenizer) for a resolved source; model in eval mode, frozen, on ``device``.
+
+    ``fused_norms``: RMSNorms in one autograd step (``norm.install``, same outputs); tests
+    load their plain-transformers reference without them.
 
     Weights are built or read on the CPU first, then moved, so a tiny model's random
     init (seeded on the CPU) is the same on every device.
@@ -180,7 +183,7 @@ def load_model_and_tokenizer(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import attention
+    from . import attention, norm
     from .device import gather_on_huge_pages, keep_freed_memory
 
     if source.kind == "tiny":
@@ -196,6 +199,8 @@ def load_model_and_tokenizer(
     model.eval()
     model.requires_grad_(False)
     attention.install(model)
+    if fused_norms:
+        norm.install(model)
     if torch.device(device).type == "cpu":
         gather_on_huge_pages(list(model.parameters()))
         keep_freed_memory()

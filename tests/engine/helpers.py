@@ -50,7 +50,7 @@ def plain_model(name: str):
 
 @functools.cache
 def _plain_base(name: str):
-    model, _ = load_model_and_tokenizer(TEST_CATALOG.resolve(name), torch.float32)
+    model, _ = load_model_and_tokenizer(TEST_CATALOG.resolve(name), torch.float32, fused_norms=False)
     return model
 
 

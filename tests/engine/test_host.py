@@ -64,6 +64,36 @@ def test_family_logit_transform_matters(family_host):
     assert (untransformed - reference_logprobs(model, ex.tokens, ex.inputs["target_tokens"])).abs().max() > 1e-2
 
 
+def test_lora_gradients_match_peft_autograd(family_host, new_id, tmp_path):
+    """Every family, every adapted layer: the gradients of forward_backward (our LoRA
+    layers, attention and fused norms, backwards) equal autograd through peft on plain
+    transformers, given our weights, for the same weighted cross-entropy (two datums)."""
+    peft = pytest.importorskip("peft")
+    host = family_host
+    aid = new_id()
+    host.create_adapter(aid, LoraConfig(rank=4, seed=5))
+    randomize_adapter(host, aid, seed=9, scale=0.1)
+    host.save_sampler_weights(aid, tmp_path)
+    rng = random.Random(7)
+    data = [random_example(host.vocab_size, n, rng) for n in (11, 6)]
+    host.forward_backward([ForwardJob(aid, data)])
+
+    model = peft.PeftModel.from_pretrained(plain_model(host.model_name), str(tmp_path), is_trainable=True)
+    for ex in data:
+        logits = model(input_ids=torch.tensor([ex.tokens])).logits[0].float()
+        logp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ex.inputs["target_tokens"])[:, None])[:, 0]
+        (-(logp * torch.tensor(ex.inputs["weights"])).sum()).backward()
+    theirs = {name.removeprefix("base_model.model.").replace(".default.weight", ""): p.grad
+              for name, p in model.named_parameters() if p.requires_grad}
+    ours = {name: p.grad for name, p in host.adapter_params(aid).items()}
+    assert ours.keys() == theirs.keys()
+    for name, grad in ours.items():  # fp32 sums in another order: bounded by the tensor's scale
+        error = (grad - theirs[name]).abs().max() / theirs[name].abs().max()
+        assert error < 1e-5, (name, float(error))
+    assert all(g.abs().max() > 0 for g in ours.values())
+    host.delete_adapter(aid)
+
+
 def test_a_longrope_model_is_served_up_to_its_original_context():
     """Phi-3's LongRoPE takes its short or long factors per forward pass, from the longest
     sequence in it: served up to its original context (32), a sequence beside a full-length

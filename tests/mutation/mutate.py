@@ -50,6 +50,7 @@ MODULES: dict[str, list[str]] = {
     "trio_engine.optim": ["trio_engine.optim.*"],
     "trio_engine.lora": ["trio_engine.lora.*"],
     "trio_engine.attention": ["trio_engine.attention.*"],
+    "trio_engine.norm": ["trio_engine.norm.*"],
     "trio_engine.sampler": ["trio_engine.sampler.*"],
     "trio_server.scheduler": ["trio_server.scheduler.*"],
     "trio_server.core (submit/retrieve/ordering)": CORE_PATH,
