@@ -24,6 +24,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,6 +220,9 @@ def snapshot_path(snapshot_dir: str | Path, run_id: str) -> Path:
 
 
 MAX_WAITING_COPIES = 2  # runs' state copies waiting for the snapshot writer (see SnapshotWriter)
+# A background snapshot write that fails is tried again after each of these pauses (a
+# disk full for a moment, a network volume's hiccup) while the step's answer waits.
+WRITE_RETRY_PAUSES = (0.5, 2.0, 8.0)
 
 
 class SnapshotWriter:
@@ -242,9 +246,12 @@ class SnapshotWriter:
     size of the run's snapshot): past that, ``submit`` waits for a write to start, so
     steps made faster than the disk takes them cannot fill the host's memory.
 
-    A failed write (a full disk) is logged, not raised: the change is made and answered,
-    the run's next write tries again, and a crash before then returns the run to its last
-    snapshot.
+    A failed background write is tried again after each of ``WRITE_RETRY_PAUSES`` (10.5 s
+    in all; the step's answer, and the writes queued behind it, wait). One that still
+    fails is logged, not raised: the change is made and answered (failing it would invite
+    a retry that steps twice), the run's next write tries again, and a crash before then
+    returns the run to its last snapshot. ``commit`` and ``write_now`` try once: they
+    run in the base model's worker, and their callers handle a failure.
     """
 
     def __init__(self, host: ModelHost, folder: str, enabled: bool = True):
@@ -297,7 +304,10 @@ class SnapshotWriter:
             covers = self.asked[run_id]
             self.cond.wait_for(lambda: run_id not in self.writing)
             self.writing.add(run_id)
-        self._write_and_release(run_id, None, with_grads, covers)
+        try:
+            self._write(run_id, None, with_grads)
+        finally:
+            self._release(run_id, covers)
 
     def flush(self) -> None:
         with self.cond:
@@ -321,23 +331,34 @@ class SnapshotWriter:
                 self.writing.add(run_id)
                 covers = self.asked[run_id]
             try:
-                self._write_and_release(run_id, copy, False, covers)
+                self._write_retrying(run_id, copy)
             except Exception:  # a failed snapshot must not stop later ones
                 _log_failed_write(run_id)
+            finally:
+                self._release(run_id, covers)
 
-    def _write_and_release(self, run_id: str, copy: Snapshot | None, with_grads: bool, covers: int) -> None:
+    def _write_retrying(self, run_id: str, copy: Snapshot | None) -> None:
+        for pause in WRITE_RETRY_PAUSES:
+            try:
+                return self._write(run_id, copy, False)
+            except Exception as exc:
+                log.warning("snapshot of run %s failed (%s); trying again in %g s", run_id, exc, pause)
+                time.sleep(pause)
+        self._write(run_id, copy, False)
+
+    def _write(self, run_id: str, copy: Snapshot | None, with_grads: bool) -> None:
         from trio_engine import snapshot
 
-        try:
-            if copy is None and self.host.has_adapter(run_id):  # else deleted meanwhile
-                copy = snapshot.capture(self.host, run_id, with_grads)
-            if copy is not None:
-                snapshot.write(snapshot_path(self.folder, run_id), copy)
-        finally:
-            with self.cond:
-                self.writing.discard(run_id)
-                self.written[run_id] = max(self.written[run_id], covers)
-                self.cond.notify_all()
+        if copy is None and self.host.has_adapter(run_id):  # else deleted meanwhile
+            copy = snapshot.capture(self.host, run_id, with_grads)
+        if copy is not None:
+            snapshot.write(snapshot_path(self.folder, run_id), copy)
+
+    def _release(self, run_id: str, covers: int) -> None:
+        with self.cond:
+            self.writing.discard(run_id)
+            self.written[run_id] = max(self.written[run_id], covers)
+            self.cond.notify_all()
 
 
 def _log_failed_write(run_id: str) -> None:

@@ -157,6 +157,50 @@ def test_a_step_whose_state_copy_fails_stands_and_is_written_all_the_same(engine
     assert snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-c")).step == metrics["step"] == 1
 
 
+def _writes_failing(monkeypatch, times: int) -> list[int]:
+    """snapshot.write raising ENOSPC the first ``times`` calls (all: -1); the calls' steps.
+    Retry pauses of 0, so the test waits for nothing."""
+    import errno
+
+    from trio_server import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "WRITE_RETRY_PAUSES", (0.0, 0.0, 0.0))
+    real_write, calls = snapshot.write, []
+
+    def failing_write(path, snap):
+        calls.append(snap.step)
+        if times < 0 or len(calls) <= times:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, snap)
+
+    monkeypatch.setattr(snapshot, "write", failing_write)
+    return calls
+
+
+def test_a_failed_snapshot_write_is_tried_again_before_the_step_is_answered(engine, monkeypatch, caplog):
+    engine.create_adapter("run-r", LoraConfig(rank=2))
+    calls = _writes_failing(monkeypatch, times=2)
+    engine.forward_backward([job("run-r")])
+    _, write = engine.optim_step("run-r", AdamConfig(learning_rate=1e-2))
+    engine.durable(write)  # returns once the third try has landed
+    assert calls == [1, 1, 1]
+    assert snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-r")).step == 1
+    assert caplog.text.count("trying again") == 2
+
+
+def test_a_write_failing_every_try_is_logged_and_the_step_still_answered(engine, monkeypatch, caplog):
+    """Failing the step's answer would invite a retry that steps twice: it is answered,
+    the failure logged, and the run's next write tries again."""
+    engine.create_adapter("run-f", LoraConfig(rank=2))
+    calls = _writes_failing(monkeypatch, times=-1)
+    engine.forward_backward([job("run-f")])
+    _, write = engine.optim_step("run-f", AdamConfig(learning_rate=1e-2))
+    engine.durable(write)
+    assert calls == [1] * 4  # the first try and one after each pause
+    assert snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-f")).step == 0
+    assert "a crash now would take it back to its last snapshot" in caplog.text
+
+
 def test_a_restarted_engine_answers_for_its_predecessors_writes_from_the_disk(engine):
     """A restarted engine (a Ray actor after a crash) never writes what its predecessor
     was asked to: asked about such a write, it reads the run's snapshot, and says the step
