@@ -33,6 +33,8 @@ class TrioError(Exception):
         status_code: the HTTP status (for an operation's failed outcome, and in-process,
             the status its category has over HTTP: 400, 401, 404, 429 or 500).
         retry_after: seconds the service asked to wait before retrying (``Retry-After``).
+        seq_unused: the service refused the call without reading it (a body over its
+            size limit), so the call's place in its run's order is free for the next one.
     """
 
     category = "server"
@@ -43,6 +45,7 @@ class TrioError(Exception):
         self.request_id = request_id
         self.status_code = status_code
         self.retry_after: float | None = None
+        self.seq_unused = False
 
     def __str__(self) -> str:
         return f"{self.message} (request_id={self.request_id})" if self.request_id else self.message

@@ -19,7 +19,9 @@ then refused the late one. Here no timeout is involved:
 - A reservation is a ticket held: ``forward_backward_custom`` takes two at once, and
   holds its backward's while the forward and the loss run; later calls wait for it,
   in the client. A ticket released without a number (the forward failed, the loss
-  raised) costs nothing: the next call goes at once with the next number.
+  raised) costs nothing: the next call goes at once with the next number. Nor does a
+  call the service refused unread (a body over its size limit: ``seq_unused``): its
+  number is given back, and the next call takes it.
 
 So the service sees each live client's numbers in order and without gaps. Its gap-skip
 is left for one case only: a submit the client gave up on after retrying for the whole
@@ -80,6 +82,11 @@ class Ticket:
         """The next sequence number; call it once, during this ticket's turn."""
         assert self._previous is None or self._previous.done(), "not this ticket's turn"
         return self._order._number()
+
+    def give_back_number(self) -> None:
+        """The number this ticket took was never seen by the service: the next call takes it."""
+        assert self._previous is None or self._previous.done(), "not this ticket's turn"
+        self._order._next_number -= 1
 
     def release(self) -> None:
         """Let the next call go; safe to call more than once."""

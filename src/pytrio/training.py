@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import types as t
-from .errors import ValidationError, validated
+from .errors import TrioError, ValidationError, validated
 from .futures import APIFuture, async_twin, on_background, run_sync, schedule, sync_twin
 from .ordering import SubmitOrder, Ticket
 from .sampling import SamplingClient, new_sampling_client
@@ -67,7 +67,12 @@ class TrainingClient:
         try:
             await ticket.turn()
             request.seq = ticket.number()
-            self._last_sent = await self._session.submit(op, request)
+            try:
+                self._last_sent = await self._session.submit(op, request)
+            except TrioError as exc:
+                if exc.seq_unused:  # never read by the service: the next call takes this number
+                    ticket.give_back_number()
+                raise
             return self._last_sent
         finally:
             ticket.release()

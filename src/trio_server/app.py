@@ -213,12 +213,19 @@ class BodyLimit:
         await self.app(scope, counted, unless_refused)
 
     async def _refuse(self, send: Any, size: str) -> None:
-        body = _error(413, "validation", f"request body: {size} exceeds the limit of {self.max_bytes} bytes").body
+        # seq_unused: the call's body (its seq included) was never read, so its place in the
+        # run's order is still free; the SDK gives it to the run's next call
+        body = _error(413, "validation", f"request body: {size} exceeds the limit of {self.max_bytes} bytes",
+                      seq_unused=True).body
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
 
-def _error(status: int, category: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"category": category, "message": message}}, status_code=status, headers=headers)
+def _error(status: int, category: str, message: str, headers: dict[str, str] | None = None,
+           seq_unused: bool = False) -> JSONResponse:
+    error: dict[str, Any] = {"category": category, "message": message}
+    if seq_unused:
+        error["seq_unused"] = True
+    return JSONResponse({"error": error}, status_code=status, headers=headers)

@@ -183,6 +183,22 @@ def test_oversized_body_refused_before_reading(server):
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
 
 
+def test_a_call_refused_unread_leaves_its_place_in_the_order_to_the_next(server):
+    """A body over the size limit is refused before the service reads it (so before it
+    sees the call's seq): the SDK gives the seq back and the run's next call takes it.
+    Else that call would wait seq_gap_seconds (30 s here) for a seq that never comes and
+    be run only after the service skipped it (next_seq 2 instead of 1)."""
+    tc = client_for(server).create_lora_training_client(base_model=MODEL, rank=2)
+    heavy = trio.Datum(model_input=trio.ModelInput.from_ints(list(range(1, 201))),
+                       loss_fn_inputs={"target_tokens": list(range(2, 202)), "weights": [0.123456789] * 200})
+    with pytest.raises(trio.ValidationError, match="exceeds the limit") as refused:
+        tc.forward_backward([heavy] * 60).result()
+    assert refused.value.status_code == 413 and refused.value.seq_unused
+    assert server.core.next_seq.get(tc.model_id, 0) == 0
+    tc.forward_backward([datum()]).result()
+    assert server.core.next_seq[tc.model_id] == 1
+
+
 def test_openapi_schema(server):
     schema = httpx.get(server.url + "/openapi.json").json()
     assert "/api/v1/forward_backward" in schema["paths"] and "/api/v1/retrieve_future" in schema["paths"]

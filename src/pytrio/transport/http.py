@@ -162,6 +162,7 @@ def _error(response: httpx.Response) -> TrioError:
     try:
         info = response.json()["error"]
         error = error_from_category(info["category"], info["message"], status=response.status_code)
+        error.seq_unused = info.get("seq_unused") is True
     except Exception:
         error = error_from_status(response.status_code, response.text[:500] or response.reason_phrase)
     error.retry_after = _retry_after(response.headers.get("retry-after"))
