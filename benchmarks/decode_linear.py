@@ -1,10 +1,12 @@
-"""Decode-sized linear products: the engine's ``base_product`` vs ``nn.Linear``'s own.
+"""Decode-sized linear products: W x^T (``lora.weight_major_product``) vs ``nn.Linear``'s x W^T.
 
 For each linear shape of the bundled model and a few row counts (the rows of one decode
 step), 30 distinct weights are multiplied in turn, so they come from memory as in a real
-step and not from cache. Both forms run interleaved in one process.
+step and not from cache. Both forms run interleaved in one process. Which one the engine
+takes on this CPU is measured once per process (``lora.weight_major_pays``, printed).
 
-    RESULT decode_linear_<out>x<in>_rows<r> ours=<products/s> baseline=<products/s> ratio=...
+    RESULT decode_linear_<out>x<in>_rows<r> ours=<products/s as W x^T> baseline=<products/s as x W^T> ratio=...
+    FORM weight_major_gain=<W x^T's speed-up at 2 and 8 rows> engine_takes=<W x^T | x W^T>
 
 Run: .venv/bin/python benchmarks/decode_linear.py [--repeats 9]
 """
@@ -17,7 +19,7 @@ import torch
 from common import bundled_folder, result, timed_pair
 from transformers import AutoConfig
 
-from trio_engine.lora import base_product
+from trio_engine import lora
 
 LAYERS = 30  # distinct weights per shape: more than the last-level cache holds
 
@@ -31,10 +33,10 @@ def shapes() -> list[tuple[int, int]]:
 
 
 def compare(layers: list[torch.nn.Linear], rows: int, repeats: int) -> tuple[float, float]:
-    """Seconds per pass over ``layers`` on ``rows`` rows: (base_product, the layer's own)."""
+    """Seconds per pass over ``layers`` on ``rows`` rows: (W x^T, the layer's own)."""
     x = torch.randn(rows, layers[0].in_features)
     with torch.no_grad():
-        return timed_pair(lambda: [base_product(layer, x) for layer in layers],
+        return timed_pair(lambda: [lora.weight_major_product(x, layer.weight, None) for layer in layers],
                           lambda: [layer(x) for layer in layers], repeats)
 
 
@@ -49,6 +51,8 @@ def main() -> None:
         for rows in map(int, args.rows.split(",")):
             ours_s, base_s = compare(layers, rows, args.repeats)
             result(f"decode_linear_{out_f}x{in_f}_rows{rows}", count / ours_s, count / base_s, unit=" (products/s)")
+    print(f"FORM weight_major_gain={lora.weight_major_gain():.2f} "
+          f"engine_takes={'W x^T' if lora.weight_major_pays() else 'x W^T'}", flush=True)
 
 
 if __name__ == "__main__":

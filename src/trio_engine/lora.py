@@ -22,7 +22,12 @@ initial values are drawn on the CPU, so a seed gives the same adapter on every d
 from __future__ import annotations
 
 import itertools
+import logging
 import math
+import os
+import statistics
+import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +38,8 @@ from torch import nn
 
 from .device import packed
 from .errors import InvalidInputError
+
+log = logging.getLogger("trio.engine")
 
 # α is fixed rather than tied to rank, as in "LoRA Without Regret" (Schulman et al.,
 # 2025): with scale α/r, the optimal learning rate is nearly rank-independent.
@@ -259,22 +266,73 @@ class SiblingGroup:
         return hit[1], hit[2]
 
 
-# Decode-sized inference products (a few rows) in fp32 on the CPU: BLAS multiplies one row
-# by W^T on one thread (gemv) and 2-16 rows with a kernel at a third of its speed, while
-# W x^T of the same rows runs near memory speed. Measured here on the bundled model's own
-# shapes with weights not in cache (benchmarks/decode_linear.py): a 1536x576 linear
-# 240 -> 110 us for one row (padded to two), 430 -> 125 us for two, 330 -> 230 us for
-# eight; the 49152x576 head 7.4 -> 3.6 ms for one row, 17.6 -> 2.6 ms for two. Still
-# 1.1-1.4x at 64 rows (the k/v projection, 192x576, is the one loss: 0.55x for one row).
-# In bf16 the usual form is the faster one for up to 16 rows, so bf16 keeps it.
+# Decode-sized inference products (a few rows) in fp32 on the CPU: which of x Wᵀ (the
+# usual form) and W xᵀ is faster depends on the CPU's BLAS kernels for skinny products
+# (benchmarks/decode_linear.py, the bundled model's shapes, weights not in cache):
+# - on an AVX2 machine (this project's, through session 17), BLAS multiplied one row by Wᵀ
+#   on one thread and 2-16 rows at a third of its speed, while W xᵀ ran near memory speed:
+#   a 1536x576 linear 2.0x / 3.9x / 1.8x faster for 1 / 2 / 8 rows, the 49152x576 head
+#   2.7x / 6.2x for 1 / 2, still 1.1-1.4x at 64 rows (k/v at one row the one loss, 0.55x);
+# - on an AVX-512 machine (from session 18) x Wᵀ was the faster form: W xᵀ ran 1536x576 at
+#   0.32x / 0.39x / 0.67x for 1 / 2 / 8 rows and about even at 16-64, and fp32 sampling
+#   took 2.0x (one sequence) and 1.21x (8 x 64) longer with it.
+# So the first few-row fp32 product of a process measures both forms
+# (``weight_major_pays``) and W xᵀ is taken only where it won clearly. bf16 keeps x Wᵀ,
+# its faster form for up to 16 rows on both machines.
 WEIGHT_MAJOR_MAX_ROWS = 64
+WEIGHT_MAJOR_MIN_GAIN = 1.25  # W xᵀ must be this much faster at 2 and at 8 rows to be taken
+FEW_ROW_FORM_ENV = "TRIO_FEW_ROW_FORM"  # "weight_major" or "usual": decide without measuring
+_few_row_form_lock = threading.Lock()
+_weight_major_pays: bool | None = None
 
 
 def weight_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x``'s product with ``weight`` runs faster as W x^T (see above)."""
     rows = x.numel() // x.shape[-1]
     return (not torch.is_grad_enabled() and weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and rows <= WEIGHT_MAJOR_MAX_ROWS)
+            and rows <= WEIGHT_MAJOR_MAX_ROWS and weight_major_pays())
+
+
+def weight_major_pays() -> bool:
+    """Whether W x^T beats x W^T on this CPU, measured once per process (about 0.1 s) on
+    decode-sized products of weights read from memory; ``$TRIO_FEW_ROW_FORM`` decides
+    instead when set."""
+    global _weight_major_pays
+    with _few_row_form_lock:
+        if _weight_major_pays is None:
+            forced = os.environ.get(FEW_ROW_FORM_ENV)
+            if forced not in (None, "", "weight_major", "usual"):
+                raise ValueError(f"{FEW_ROW_FORM_ENV}: {forced!r} is not 'weight_major' or 'usual'")
+            gain = None if forced else weight_major_gain()
+            _weight_major_pays = forced == "weight_major" or (gain is not None and gain >= WEIGHT_MAJOR_MIN_GAIN)
+            log.info("few-row fp32 products take the %s form (%s)", "W x^T" if _weight_major_pays else "x W^T",
+                     f"${FEW_ROW_FORM_ENV}" if forced else f"W x^T {gain:.2f}x as fast at 2 and 8 rows")
+        return _weight_major_pays
+
+
+def weight_major_gain(rows: Sequence[int] = (2, 8), repeats: int = 5) -> float:
+    """The smaller, over ``rows``, of x W^T's time ÷ W x^T's on 16 weights of 1536 x 576
+    (56 MB, more than a cache holds, so each product reads its weight from memory as a
+    decode step does); medians of interleaved timings."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.rand(1536, 576, generator=generator) for _ in range(16)]
+    gains = []
+    with torch.no_grad():
+        for n in rows:
+            x = torch.rand(n, 576, generator=generator)
+            usual, major = [], []
+            for _ in range(repeats):
+                usual.append(_seconds(nn.functional.linear, weights, x))
+                major.append(_seconds(weight_major_product, weights, x))
+            gains.append(statistics.median(usual) / statistics.median(major))
+    return min(gains)
+
+
+def _seconds(product: Callable[..., torch.Tensor], weights: list[torch.Tensor], x: torch.Tensor) -> float:
+    start = time.perf_counter()
+    for weight in weights:
+        product(x, weight, None)
+    return time.perf_counter() - start
 
 
 def base_product(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -288,6 +346,11 @@ def linear_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Ten
     low-rank ``addmm`` that follows writes a fresh tensor anyway)."""
     if not weight_major(x, weight):
         return nn.functional.linear(x, weight, bias)
+    return weight_major_product(x, weight, bias)
+
+
+def weight_major_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``nn.functional.linear(x, weight, bias)`` computed as W x^T."""
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
     if rows == 1:  # two rows take the two-thread kernel; one would take gemv's one thread

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from torch import nn
 
-from trio_engine import LORA_ALPHA, Example, ForwardJob, LoraConfig
+from trio_engine import LORA_ALPHA, Example, ForwardJob, LoraConfig, lora
 from trio_engine.lora import WEIGHT_MAJOR_MAX_ROWS, LoRALinear, Routing, base_product, weight_major
 
 from .helpers import plain_model, randomize_adapter, reference_logprobs
@@ -33,9 +34,15 @@ def test_lora_linear_matches_formula():
     torch.testing.assert_close(layer(x), base(x))  # unrouted rows run the base model
 
 
+@pytest.fixture
+def weight_major_pays(monkeypatch):
+    """This process's few-row fp32 products take W x^T, whatever this CPU measured."""
+    monkeypatch.setattr(lora, "_weight_major_pays", True)
+
+
 @pytest.mark.parametrize("shape", [(1, 12), (1, 1, 12), (2, 12), (5, 1, 12), (2, 3, 12), (WEIGHT_MAJOR_MAX_ROWS, 12)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_decode_sized_products_equal_the_linear_layer(shape, bias):
+def test_decode_sized_products_equal_the_linear_layer(shape, bias, weight_major_pays):
     """The W x^T form that few-row fp32 inference takes gives the layer's own output, shape
     and all (one row is padded to two on the way, and must not leak out)."""
     base, routing, layer = _layer_with_adapter(bias)
@@ -55,7 +62,7 @@ def test_decode_sized_products_equal_the_linear_layer(shape, bias):
     torch.testing.assert_close(adapted, base(x) + (LORA_ALPHA / 4) * (x @ a.T @ b.T), atol=TOL, rtol=TOL)
 
 
-def test_only_few_row_fp32_cpu_inference_takes_the_weight_major_form():
+def test_only_few_row_fp32_cpu_inference_takes_the_weight_major_form(weight_major_pays):
     weight = torch.zeros(7, 12)
     few, many = torch.zeros(WEIGHT_MAJOR_MAX_ROWS, 12), torch.zeros(WEIGHT_MAJOR_MAX_ROWS + 1, 12)
     with torch.no_grad():
@@ -65,6 +72,44 @@ def test_only_few_row_fp32_cpu_inference_takes_the_weight_major_form():
         assert not weight_major(few.bfloat16(), weight.bfloat16())
         assert not weight_major(few.view(2, -1, 12), weight.to("meta"))  # a GPU's own kernels are left alone
     assert not weight_major(few, weight)  # training keeps the layer's own autograd path
+
+
+def test_a_cpu_where_the_weight_major_form_does_not_pay_keeps_the_usual_one(monkeypatch):
+    monkeypatch.setattr(lora, "_weight_major_pays", False)
+    with torch.no_grad():
+        assert not weight_major(torch.zeros(2, 12), torch.zeros(7, 12))
+        product = base_product(nn.Linear(12, 7), torch.zeros(2, 12))
+    assert product.is_contiguous()  # nn.Linear's own layout
+
+
+@pytest.mark.parametrize("gain, pays", [(1.3, True), (1.2, False), (0.45, False)])
+def test_the_form_is_measured_once_and_taken_only_on_a_clear_gain(monkeypatch, gain, pays):
+    measured = []
+    monkeypatch.delenv(lora.FEW_ROW_FORM_ENV, raising=False)
+    monkeypatch.setattr(lora, "_weight_major_pays", None)
+    monkeypatch.setattr(lora, "weight_major_gain", lambda: measured.append(1) or gain)
+    assert lora.weight_major_pays() is pays and lora.weight_major_pays() is pays
+    assert measured == [1]
+
+
+@pytest.mark.parametrize("form, pays", [("weight_major", True), ("usual", False)])
+def test_the_environment_decides_the_form_without_measuring(monkeypatch, form, pays):
+    monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, form)
+    monkeypatch.setattr(lora, "_weight_major_pays", None)
+    monkeypatch.setattr(lora, "weight_major_gain", lambda: pytest.fail("measured although the environment decides"))
+    assert lora.weight_major_pays() is pays
+
+
+def test_a_bad_form_in_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, "fast")
+    monkeypatch.setattr(lora, "_weight_major_pays", None)
+    with pytest.raises(ValueError, match="TRIO_FEW_ROW_FORM.*'fast'"):
+        lora.weight_major_pays()
+
+
+def test_the_measured_gain_is_a_ratio_of_two_timings():
+    gain = lora.weight_major_gain(rows=(2,), repeats=1)
+    assert 0 < gain < float("inf")
 
 
 def test_new_adapter_changes_nothing(tiny_host, new_id):
