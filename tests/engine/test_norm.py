@@ -72,8 +72,13 @@ def test_install_swaps_only_frozen_norms_a_known_form_reproduces():
     model = nn.Sequential(LlamaRMSNorm(8), _EpsOutsideRoot(8), LlamaRMSNorm(8)).requires_grad_(False)
     model[2].weight.requires_grad_(True)
     assert norm.install(model) == 1
-    assert isinstance(model[0], FusedRMSNorm) and model[0].form == "scale_after_cast"
+    assert isinstance(model[0], FusedRMSNorm) and "form=scale_after_cast" in repr(model[0])
     assert isinstance(model[1], _EpsOutsideRoot) and isinstance(model[2], LlamaRMSNorm)
+
+
+def test_an_unknown_form_is_refused_by_name():
+    with pytest.raises(ValueError, match="form: 'after'"):
+        FusedRMSNorm(nn.Parameter(torch.ones(4)), 1e-6, "after")
 
 
 def test_a_fused_norm_refuses_a_trainable_weight():
