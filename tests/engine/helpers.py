@@ -125,6 +125,18 @@ def randomize_adapter(host, adapter_id: str, seed: int, scale: float = 0.05) -> 
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
+def saved_random_adapter(host, new_id, folder, seed: int, b_seed: int) -> str:
+    """A new rank-4 adapter of ``host`` with random non-zero B, its sampler weights saved
+    to ``folder`` (for peft to load); its id."""
+    from trio_engine import LoraConfig
+
+    aid = new_id()
+    host.create_adapter(aid, LoraConfig(rank=4, seed=seed))
+    randomize_adapter(host, aid, seed=b_seed, scale=0.1)
+    host.save_sampler_weights(aid, folder)
+    return aid
+
+
 def tiny_tied_folder(folder, dtype=torch.float32, seed: int = 1, generation: dict | None = None):
     """A tiny random Llama whose ``lm_head`` is tied to ``embed_tokens`` (as SmolLM2's is),
     saved as a Hugging Face folder with the bundled model's tokenizer, for ``Catalog.add_folder``.

@@ -7,7 +7,7 @@ import torch
 
 from trio_engine import AdamConfig, ForwardJob, LoraConfig, ModelHost
 
-from .helpers import plain_model, random_example, randomize_adapter
+from .helpers import plain_model, random_example, randomize_adapter, saved_random_adapter
 
 CFG = AdamConfig(learning_rate=1e-2, weight_decay=0.01)
 
@@ -77,10 +77,7 @@ def test_peft_loads_our_sampler_weights(family_host, new_id, tmp_path):
     loader reads the folder back to the same tensors (Phi-3's fused names included)."""
     peft = pytest.importorskip("peft")
     host = family_host
-    aid = new_id()
-    host.create_adapter(aid, LoraConfig(rank=4, seed=2))
-    randomize_adapter(host, aid, seed=8, scale=0.1)
-    host.save_sampler_weights(aid, tmp_path)
+    aid = saved_random_adapter(host, new_id, tmp_path, seed=2, b_seed=8)
     ex = random_example(host.vocab_size, 12, random.Random(4))
     ours = host.forward([ForwardJob(aid, [ex])])[0].logprobs[0]
 

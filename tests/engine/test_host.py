@@ -18,6 +18,7 @@ from .helpers import (
     random_example,
     randomize_adapter,
     reference_logprobs,
+    saved_random_adapter,
     snapshot,
 )
 
@@ -70,10 +71,7 @@ def test_lora_gradients_match_peft_autograd(family_host, new_id, tmp_path):
     transformers, given our weights, for the same weighted cross-entropy (two datums)."""
     peft = pytest.importorskip("peft")
     host = family_host
-    aid = new_id()
-    host.create_adapter(aid, LoraConfig(rank=4, seed=5))
-    randomize_adapter(host, aid, seed=9, scale=0.1)
-    host.save_sampler_weights(aid, tmp_path)
+    aid = saved_random_adapter(host, new_id, tmp_path, seed=5, b_seed=9)
     rng = random.Random(7)
     data = [random_example(host.vocab_size, n, rng) for n in (11, 6)]
     host.forward_backward([ForwardJob(aid, data)])
