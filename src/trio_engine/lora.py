@@ -298,6 +298,8 @@ def weight_major_pays() -> bool:
     decode-sized products of weights read from memory; ``$TRIO_FEW_ROW_FORM`` decides
     instead when set."""
     global _weight_major_pays
+    if _weight_major_pays is not None:  # decided: no lock on the decode path's every product
+        return _weight_major_pays
     with _few_row_form_lock:
         if _weight_major_pays is None:
             forced = os.environ.get(FEW_ROW_FORM_ENV)
