@@ -23,6 +23,7 @@ import mmap
 import os
 import re
 import sys
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -171,24 +172,109 @@ def _huge_page_buffer(nbytes: int) -> torch.Tensor:
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 KEEP_FREED_BYTES = (1 << 31) - 1  # the largest mallopt takes (an int)
+KEEP_FREED_ENV = "TRIO_KEEP_FREED_MEMORY"
+TRIM_CHECK_SECONDS = 1.0  # how often a bounded host looks at what it holds
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?", re.IGNORECASE)
+_trimmer: FreedMemoryTrimmer | None = None
 
 
 def keep_freed_memory() -> bool:
     """Have the C allocator keep freed memory for reuse instead of returning it to the
     kernel (glibc: no mmap for large blocks, trim only beyond ``KEEP_FREED_BYTES``); True
-    when applied. Process-wide; ``$TRIO_KEEP_FREED_MEMORY=0`` turns it off.
+    when applied. Process-wide, set by ``$TRIO_KEEP_FREED_MEMORY`` (``kept_freed_bytes``):
+    ``1`` (the default) keeps it all, ``0`` none, a size such as ``2G`` up to that much.
 
     A CPU training step allocates and frees the same large activations every time. glibc
     hands blocks over 32 MiB (and, as its heap shrinks, smaller ones) back to the kernel on
     free, so the next step takes a page fault per 4 KiB to get them again: 220,000 faults
     (880 MB) per step of 8 x 128 tokens of the bundled model, fp32; with this, none, and the
-    step was 15% faster (one process, interleaved). The cost: the process keeps its peak.
+    step was 15% faster (one process, interleaved). The cost: the process keeps its peak,
+    and a long-running server's heap fragments, so what it holds creeps up; with a bound a
+    thread (``FreedMemoryTrimmer``) gives the free pages back whenever they exceed it.
     PyTorch's CPU guides suggest preloading jemalloc or tcmalloc for the same reason; this
     needs nothing preloaded. A no-op off glibc.
     """
-    if os.environ.get("TRIO_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+    bound = kept_freed_bytes(os.environ.get(KEEP_FREED_ENV))
+    if bound == 0 or not sys.platform.startswith("linux"):
         return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    libc = ctypes.CDLL(None)
+    mallopt = getattr(libc, "mallopt", None)
     if mallopt is None:
         return False
-    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES))
+    applied = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES))
+    if applied and bound is not None:
+        _start_trimmer(bound)
+    return applied
+
+
+def kept_freed_bytes(setting: str | None) -> int | None:
+    """How much freed memory a host keeps, from ``$TRIO_KEEP_FREED_MEMORY``'s value:
+    None for all (unset or ``1``), else bytes (``0``: none; ``512M``, ``2G``, ``1.5GiB``;
+    a plain number is bytes). Anything else is a ValueError naming the variable."""
+    if setting is None or setting.strip() == "1":
+        return None
+    match = _SIZE.fullmatch(setting.strip())
+    if match is None:
+        raise ValueError(f"{KEEP_FREED_ENV}: expected 1 (keep all), 0 (none) or a size such as 2G, "
+                         f"got {setting!r}")
+    number, unit = match.groups()
+    return int(float(number) * 1024 ** " KMG".index(unit.upper() or " "))
+
+
+class _MallInfo2(ctypes.Structure):  # glibc >= 2.33's struct mallinfo2
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_info() -> _MallInfo2 | None:
+    """glibc's allocation figures for the whole process (all arenas); None without
+    ``mallinfo2`` (not glibc, or glibc < 2.33). ``fordblks``: bytes freed and held."""
+    mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    return mallinfo2()
+
+
+def trim_freed_memory(bound: int) -> int:
+    """Give the free pages back to the kernel if more than ``bound`` bytes are freed and
+    held; the bytes held before (0: nothing done). ``malloc_trim`` returns every whole
+    free page, in the middle of the heap too, not just the excess: the allocator cannot
+    choose which to keep, and a host over its bound is not in a steady state anyway."""
+    info = malloc_info()
+    if info is None or info.fordblks <= bound:
+        return 0
+    ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))
+    return info.fordblks
+
+
+class FreedMemoryTrimmer(threading.Thread):
+    """Every ``every`` seconds, ``trim_freed_memory(bound)``: the process keeps freed
+    memory for its next step up to ``bound`` bytes. A thread, not a call after each
+    operation, so it works the same wherever the engine runs (a worker, a Ray actor)."""
+
+    def __init__(self, bound: int, every: float = TRIM_CHECK_SECONDS):
+        super().__init__(name="trio-trim-freed-memory", daemon=True)
+        self.bound, self.every = bound, every
+        self.trims = 0
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every):
+            self.check()
+
+    def check(self) -> int:
+        """One look: the bytes held when it trimmed, else 0."""
+        held = trim_freed_memory(self.bound)
+        self.trims += bool(held)
+        return held
+
+
+def _start_trimmer(bound: int) -> None:
+    """One trimmer per process, with the latest bound asked for."""
+    global _trimmer
+    if _trimmer is not None and _trimmer.is_alive():
+        _trimmer.bound = bound
+        return
+    _trimmer = FreedMemoryTrimmer(bound)
+    _trimmer.start()

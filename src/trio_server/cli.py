@@ -25,7 +25,7 @@ from typing import Any
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ENGINES = ("local", "ray")
 _LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_per_user", "max_pending_per_user",
-                "max_pending_total", "max_batch_tokens", "max_pass_tokens", "max_resident_runs")
+                "max_pending_total", "max_batch_tokens", "max_pass_tokens", "max_resident_runs", "slice_alone")
 
 
 def _data_dir(value: str | None) -> Path:
@@ -84,6 +84,7 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+SERVER_KEEPS_FREED = "512M"  # $TRIO_KEEP_FREED_MEMORY's default under trio serve (see serve)
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value, kept fixed
 
@@ -123,11 +124,19 @@ def limits_from(args: argparse.Namespace) -> Any:
 def serve(args: argparse.Namespace) -> None:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):  # before the slow imports
         sys.exit("trio serve: --ssl-certfile and --ssl-keyfile go together (got only one)")
-    # A long-running shared server keeps its memory flat: with CPU hosts keeping freed memory
-    # (trio_engine.device.keep_freed_memory, meant for one user's training process) the soak
-    # server ran 22% more operations a second, but its RSS grew 17.6% in 10 minutes and was
-    # still climbing (+3.5%, flat, without). The operator's own setting wins.
-    os.environ.setdefault("TRIO_KEEP_FREED_MEMORY", "0")
+    from trio_engine.device import KEEP_FREED_ENV, kept_freed_bytes
+
+    # A long-running shared server keeps its memory flat: keeping all freed memory
+    # (trio_engine.device.keep_freed_memory, the default of one user's training process), the
+    # soak server's RSS grew 17.6% in 10 minutes and was still climbing; keeping none, each
+    # 8 x 128 step of the bundled model page-faulted its activations in again (1.33x its time).
+    # Up to 512 MiB kept: +2.7% and flat, and the step as fast as keeping all (benchmarks/soak.py,
+    # overhead.py). The operator's own setting wins.
+    os.environ.setdefault(KEEP_FREED_ENV, SERVER_KEEPS_FREED)
+    try:
+        kept_freed_bytes(os.environ[KEEP_FREED_ENV])
+    except ValueError as exc:
+        sys.exit(f"trio serve: {exc}")
     fix_mmap_threshold()  # before the model and the first requests allocate
     import uvicorn
 
@@ -333,7 +342,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "request runs alone (default 8192)")
     p.add_argument("--max-pass-tokens", type=count, metavar="N",
                    help="scheduler: a forward/forward_backward request over N tokens runs as several passes of at "
-                        "most N tokens, so other users' steps go between them; 0: never split (default 64; raise it on a GPU)")
+                        "most N tokens, so other users' steps go between them; 0: never split (default 64; raise it on a GPU). "
+                        "A user alone on the server gets passes of up to --max-batch-tokens")
+    p.add_argument("--slice-alone", action="store_true", default=None,
+                   help="scheduler: passes of --max-pass-tokens for a user alone on the server too (shorter waits "
+                        "for that user's own sampling between training passes, at some training speed)")
     p.add_argument("--max-resident-runs", type=positive, metavar="N",
                    help="memory: training runs kept in memory per base model; past N the least recently used "
                         "is written to its snapshot and freed, and comes back on its next request (default 64)")

@@ -4,10 +4,10 @@ The CUDA tests run only where CUDA is; the device-independence test of checkpoin
 runs everywhere (CPU -> CPU proves the file holds CPU tensors and loads back exactly).
 """
 
-import ctypes
 import mmap
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -181,28 +181,66 @@ def test_a_cpu_host_holds_its_base_weights_in_its_own_memory(bundled_host):
     assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _mallinfo() -> _MallInfo2:
-    mallinfo2 = ctypes.CDLL(None).mallinfo2
-    mallinfo2.restype = _MallInfo2
-    return mallinfo2()
+needs_mallinfo2 = pytest.mark.skipif(device.malloc_info() is None, reason="needs glibc >= 2.33")
 
 
-@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc >= 2.33")
+@needs_mallinfo2
 def test_a_cpu_host_keeps_freed_memory_in_the_heap(tiny_host):
     """A 256 MiB block (8x glibc's largest dynamic mmap threshold) comes from the heap, so
     freeing it does not hand its pages back to be faulted in again by the next step."""
     assert device.keep_freed_memory()  # the host applied it already; applying again is harmless
-    before = _mallinfo()
+    before = device.malloc_info()
     block = torch.empty(64 << 20)  # fp32: 256 MiB, untouched
-    size, held = block.nbytes, _mallinfo()
+    size, held = block.nbytes, device.malloc_info()
     assert held.hblkhd - before.hblkhd < size  # not a mapping of its own (hblkhd: bytes in those)
     del block
-    assert _mallinfo().arena >= held.arena - size // 2  # and the heap did not shrink it away
+    assert device.malloc_info().arena >= held.arena - size // 2  # and the heap did not shrink it away
+
+
+@needs_mallinfo2
+def test_freed_memory_over_the_bound_goes_back_to_the_kernel(tiny_host):
+    """The pages of a freed 256 MiB block stay resident under a bound above it, and are
+    given back under one below it (RSS falls by most of the block)."""
+    block = torch.ones(64 << 20)  # touched: resident
+    size = block.nbytes
+    del block
+    trimmer = device.FreedMemoryTrimmer(bound=1 << 40)
+    rss = _rss()
+    assert trimmer.check() == 0 and _rss() > rss - size // 2
+    trimmer.bound = size // 4
+    assert trimmer.check() >= size and trimmer.trims == 1
+    assert _rss() < rss - size // 2
+
+
+@pytest.mark.parametrize("setting, expected", [
+    (None, None), ("1", None), ("0", 0), ("100", 100), ("512M", 512 << 20), ("2G", 2 << 30),
+    ("1.5GiB", 3 << 29), ("64 mb", 64 << 20)])
+def test_the_bound_on_freed_memory_reads_sizes(setting, expected):
+    assert device.kept_freed_bytes(setting) == expected
+
+
+def test_a_bad_bound_on_freed_memory_names_the_variable_and_value():
+    with pytest.raises(ValueError, match=r"TRIO_KEEP_FREED_MEMORY.*'lots'"):
+        device.kept_freed_bytes("lots")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_bound_on_freed_memory_starts_one_trimmer(monkeypatch):
+    monkeypatch.setattr(device, "_trimmer", None)
+    monkeypatch.setenv("TRIO_KEEP_FREED_MEMORY", "256M")
+    assert device.keep_freed_memory()
+    trimmer = device._trimmer
+    try:
+        monkeypatch.setenv("TRIO_KEEP_FREED_MEMORY", "1G")
+        assert device.keep_freed_memory()
+        assert device._trimmer is trimmer and trimmer.is_alive() and trimmer.bound == 1 << 30
+    finally:
+        trimmer.stopped.set()
 
 
 def test_keeping_freed_memory_can_be_turned_off(monkeypatch):

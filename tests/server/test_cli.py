@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 
 from trio_server.cli import build_parser, limits_from, listen
+
+
+@pytest.fixture(autouse=True)
+def _keep_freed_memory_setting(monkeypatch):
+    """``serve`` sets ``$TRIO_KEEP_FREED_MEMORY`` if unset; set here, it goes back after the test."""
+    monkeypatch.setenv("TRIO_KEEP_FREED_MEMORY", os.environ.get("TRIO_KEEP_FREED_MEMORY", "1"))
 
 
 def test_listening_socket_reports_its_port_and_disables_nagle():
@@ -34,6 +41,7 @@ def test_max_pass_tokens_flag_and_zero_for_never_split():
     assert limits().max_pass_tokens == Limits().max_pass_tokens is not None
     assert limits("--max-pass-tokens", "96", "--max-batch-tokens", "512").max_pass_tokens == 96
     assert limits("--max-pass-tokens", "0").max_pass_tokens is None
+    assert not limits().slice_alone and limits("--slice-alone").slice_alone
     assert limits().max_resident_runs == Limits().max_resident_runs == 64
     assert limits("--max-resident-runs", "5").max_resident_runs == 5
 
@@ -80,6 +88,14 @@ def test_a_port_in_use_a_bad_database_or_an_unknown_model_is_a_one_line_error(tm
         cli.main(["keys", "list", "--db", "sqlite:////nonexistent/x.db"])
     with pytest.raises(SystemExit, match="trio tokenizers install: .*no/such-model"):
         cli.main(["tokenizers", "install", "--cache-dir", str(tmp_path / "hub"), "no/such-model"])
+
+
+def test_a_bad_bound_on_kept_freed_memory_is_refused_at_start(tmp_path, monkeypatch):
+    from trio_server import cli
+
+    monkeypatch.setenv("TRIO_KEEP_FREED_MEMORY", "lots")
+    with pytest.raises(SystemExit, match=r"trio serve: TRIO_KEEP_FREED_MEMORY: .*got 'lots'"):
+        cli.main(["serve", "--port", "0", "--data-dir", str(tmp_path)])
 
 
 def test_a_second_server_on_a_data_dir_or_a_missing_device_is_refused_at_start(tmp_path, monkeypatch):
