@@ -17,7 +17,8 @@ arrives: at most ``--max-pass-tokens`` tokens, as larger requests run in parts o
 (one such pass + a light step) / a light step.
 
 Smaller passes cost the flood throughput (less work per pass); the flood alone, with and
-without splitting, alternately (``--flood-calls`` forward_backward calls each), reports what:
+without splitting (sliced as if shared: a user alone is not sliced by default),
+alternately (``--flood-calls`` forward_backward calls each), reports what:
 
     RESULT flood_tokens_per_s ours=<split> baseline=<unsplit> ratio=<split/unsplit>
 
@@ -146,7 +147,8 @@ def main() -> None:
               f"p50={statistics.median(beside[-args.steps:]):.0f} ms; flood ran {flooded} forward_backward "
               f"calls ({flooded * args.flood_datums * args.flood_tokens / seconds:.0f} tokens/s) meanwhile; "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
-        for split in (pass_tokens, None):  # the flood alone: what splitting costs it
+        worker.slice_alone = True  # the flood alone, sliced as if shared: what slicing costs it
+        for split in (pass_tokens, None):
             worker.max_pass_tokens = split
             with Flood(flood_runs, large) as flood:
                 before, started = flood.done, time.perf_counter()
@@ -155,7 +157,7 @@ def main() -> None:
                 calls, seconds = flood.done - before, time.perf_counter() - started
                 throughput[split].append(calls * args.flood_datums * args.flood_tokens / seconds)
             print(f"  flood alone, max_pass_tokens={split}: {throughput[split][-1]:.0f} tokens/s", flush=True)
-        worker.max_pass_tokens = pass_tokens
+        worker.max_pass_tokens, worker.slice_alone = pass_tokens, False
     core.close()
     for name, stat in (("p99", p99), ("p50", statistics.median)):
         ours, base = stat(beside), stat(alone)

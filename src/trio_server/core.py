@@ -74,8 +74,9 @@ class Limits:
     what was accepted is never dropped to make room. ``max_batch_tokens`` is the
     scheduler's token budget per batch (see ``scheduler.py``); a forward or
     forward_backward request over ``max_pass_tokens`` runs as several passes of at most
-    that many tokens, so no user waits long for another's pass (see ``splitting.py``;
-    None: never split). ``max_resident_runs`` bounds the training runs each base model's
+    that many tokens while several users share the host, so no user waits long for
+    another's pass (see ``splitting.py``; None: never split); a user alone gets passes of
+    up to ``max_batch_tokens`` unless ``slice_alone``. ``max_resident_runs`` bounds the training runs each base model's
     host keeps in memory: past it, the least recently used without a queued request is
     written to its snapshot and freed between batches (see ``worker.py``).
     """
@@ -96,6 +97,7 @@ class Limits:
     retry_after_seconds: float = 1.0
     max_batch_tokens: int = 8192
     max_pass_tokens: int | None = 64  # benchmarks/fairness.py: 64 meets its target on a 2-core CPU, 128 did not
+    slice_alone: bool = False  # max_pass_tokens also for a user alone on the host (worker.HostWorker.pass_tokens)
 
     def __post_init__(self) -> None:
         if self.max_resident_runs is not None and self.max_resident_runs < 1:  # 0 would offload every run each batch
@@ -556,7 +558,8 @@ class ServiceCore:
                 order = Sequencing(self.next_seq, self.lock, self.limits.seq_gap_seconds)
                 self.workers[base_model] = HostWorker(ctx, lambda item, r: self.resolve(item, *r), order,
                                                       self.idle_offload_seconds, self.limits.max_batch_tokens,
-                                                      self.limits.max_pass_tokens, self.limits.max_resident_runs)
+                                                      self.limits.max_pass_tokens, self.limits.max_resident_runs,
+                                                      self.limits.slice_alone)
             return self.workers[base_model]
 
     def _new_engine(self, base_model: str) -> Engine:

@@ -28,10 +28,11 @@ is before its next ``optim_step``). The token budget bounds how long any batch r
 hence how long a newly due request waits for the one ahead of it.
 
 Time-slicing. A started pass runs to its end, so a newly due request waits for the pass
-running when it arrives. The worker keeps that pass short: a forward or
-forward_backward request over ``max_pass_tokens`` reaches this function one part at a
-time (``splitting.py``), each part an ordinary item of the request's run and ``seq``, and
-the budget of a forward(_backward) batch is at most ``max_pass_tokens`` too. So the
+running when it arrives. While users share the host the worker keeps that pass short
+(``HostWorker.pass_tokens``): a forward or forward_backward request over
+``max_pass_tokens`` reaches this function one part at a time (``splitting.py``), each
+part an ordinary item of the request's run and ``seq``, and the budget of a
+forward(_backward) batch is at most ``max_pass_tokens`` too. So the
 choice between users is made again after every pass, and a light tenant beside a flood
 waits about one short pass, not one whole flood request (``benchmarks/fairness.py``
 measures it).

@@ -1,11 +1,13 @@
 """Time-slicing: a large forward or forward_backward request runs as several passes.
 
 The engine cannot interrupt a pass, so while one runs, everyone else's next request
-waits for it to end. A request over ``max_pass_tokens`` tokens is therefore cut into
+waits for it to end. A request over the worker's pass budget (``max_pass_tokens``
+while users share the host, see ``HostWorker.pass_tokens``) is therefore cut into
 consecutive parts of its data, each at most that many tokens (a single longer datum
 is a part of its own), and the worker queues one part at a time: the fair scheduler
 picks between users after every pass, and the run's next request waits until the
 last part is done (it keeps the request's ``seq``; the run's order is unchanged).
+What remains is cut again before each part (``Split.advance``), by the budget then.
 
 The parts' results merge into exactly the unsplit request's (``merge_results``):
 per-datum outputs in datum order, ``:sum`` metrics added, ``:mean`` metrics
@@ -59,6 +61,15 @@ class Split:
     @property
     def holds_grads(self) -> bool:
         return self.whole.op == "forward_backward"
+
+    def advance(self, max_pass_tokens: int | None) -> None:
+        """Move on to the next part, cutting what remains of the request afresh: the pass
+        budget changes when users start or stop sharing the host (``worker.py``)."""
+        self.index += 1
+        first = self.starts[self.index]
+        rest = [d.model_input.length for d in self.whole.request.data[first:]]
+        parts = cut(rest, max_pass_tokens) if max_pass_tokens is not None else [0]
+        self.starts = self.starts[:self.index] + [first + start for start in parts]
 
     def part(self) -> WorkItem:
         """The work item of the current part: the request with that part's data alone."""

@@ -563,11 +563,12 @@ def test_runs_unused_past_the_idle_window_leave_memory_unless_queued():
 
 
 def test_each_worker_gets_the_cores_scheduling_and_memory_limits(tmp_path):
-    limits = Limits(max_batch_tokens=99, max_pass_tokens=7, max_resident_runs=3)
+    limits = Limits(max_batch_tokens=99, max_pass_tokens=7, max_resident_runs=3, slice_alone=True)
     core = ServiceCore(tmp_path, dtype="float32", limits=limits, idle_offload_seconds=42)
     trainer(core)
     worker = core.workers[MODEL]
     assert (worker.max_batch_tokens, worker.max_pass_tokens, worker.max_resident_runs) == (99, 7, 3)
+    assert worker.slice_alone
     assert worker.idle_offload_seconds == 42
     core.close()
 

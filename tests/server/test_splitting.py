@@ -21,7 +21,8 @@ PASS_TOKENS = 12  # two 6-token datums per pass
 
 @pytest.fixture(scope="module")
 def core(tmp_path_factory):
-    core = ServiceCore(tmp_path_factory.mktemp("split"), dtype="float32", limits=Limits(max_pass_tokens=PASS_TOKENS))
+    limits = Limits(max_pass_tokens=PASS_TOKENS, slice_alone=True)  # most tests here have one user
+    core = ServiceCore(tmp_path_factory.mktemp("split"), dtype="float32", limits=limits)
     yield core
     core.close()
 
@@ -201,6 +202,58 @@ def test_a_pass_holds_no_more_than_max_pass_tokens_even_when_parts_could_share_i
     finally:
         del worker.engine.forward_backward
     assert len(seen) == 4 and all(sum(n for _, n in jobs) * 6 <= PASS_TOKENS for jobs in seen), seen
+
+
+def test_the_rest_of_a_split_request_is_cut_afresh_for_the_budget_of_the_moment():
+    split = maybe_split(_work_item([datum()] * 6), 12).context["split"]  # parts [0, 2, 4]
+    split.advance(None)  # the other users left: no more slicing
+    assert split.starts == [0, 2] and split.last and len(split.part().request.data) == 4
+    split = maybe_split(_work_item([datum()] * 6), 12).context["split"]
+    split.advance(6)  # a smaller budget: one datum a pass from here on
+    assert split.starts == [0, 2, 3, 4, 5] and split.part().request.data == [datum()]
+
+
+@pytest.fixture
+def sliced_when_shared(core, monkeypatch):
+    """The core's worker slicing only while users share it, with no user seen before."""
+    worker = core.workers[MODEL]
+    monkeypatch.setattr(worker, "slice_alone", False)
+    with worker.cond:
+        worker.seen_at.clear()
+    return worker
+
+
+def test_a_user_alone_runs_a_large_request_in_one_pass(core, sliced_when_shared):
+    tc = trainer(core, "alone", seed=11)
+    seen = passes(core)
+    try:
+        tc.forward_backward([datum()] * 6).result(timeout=120)
+    finally:
+        del sliced_when_shared.engine.forward_backward
+    assert seen == [[(tc.model_id, 6)]]
+
+
+def test_slicing_starts_and_stops_with_the_sharing(core, sliced_when_shared, monkeypatch):
+    from trio_server import worker as worker_module
+
+    flood, light = trainer(core, "flood", seed=12), trainer(core, "light", seed=13)
+    light.forward([datum()]).result(timeout=120)  # seen just now: the host is shared
+    seen = passes(core)
+    recording = sliced_when_shared.engine.forward_backward
+
+    def then_alone(jobs):
+        monkeypatch.setattr(worker_module, "SHARING_SECONDS", -1.0)  # every user seen is long gone
+        return recording(jobs)
+
+    try:
+        flood.forward_backward([datum()] * 6).result(timeout=120)
+        sliced_when_shared.engine.forward_backward = then_alone
+        flood.forward_backward([datum()] * 6).result(timeout=120)  # split, then alone after its first part
+        flood.forward_backward([datum()] * 6).result(timeout=120)
+    finally:
+        del sliced_when_shared.engine.forward_backward
+    parts = [[n for _, n in jobs] for jobs in seen]
+    assert parts == [[2], [2], [2]] + [[2], [4]] + [[6]]
 
 
 def test_a_bug_merging_the_parts_fails_that_request_not_the_worker(core, monkeypatch):
