@@ -345,8 +345,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "most N tokens, so other users' steps go between them; 0: never split (default 64; raise it on a GPU). "
                         "A user alone on the server gets passes of up to --max-batch-tokens")
     p.add_argument("--slice-alone", action="store_true", default=None,
-                   help="scheduler: passes of --max-pass-tokens for a user alone on the server too (shorter waits "
-                        "for that user's own sampling between training passes, at some training speed)")
+                   help="scheduler: passes of --max-pass-tokens for a user training alone on the server too "
+                        "(shorter passes, at some training speed)")
     p.add_argument("--max-resident-runs", type=positive, metavar="N",
                    help="memory: training runs kept in memory per base model; past N the least recently used "
                         "is written to its snapshot and freed, and comes back on its next request (default 64)")

@@ -198,12 +198,13 @@ class HostWorker:
     def pass_tokens(self) -> int | None:
         """The most tokens a forward(_backward) pass holds now (call under ``cond``).
 
-        Time-slicing is for users sharing the host: a pass cannot be interrupted, so while
-        another user has a request queued, decoding, or queued or answered within
-        ``SHARING_SECONDS``, passes hold ``max_pass_tokens``, and the choice between users
-        is made again after each. A user alone (or one user's several runs) gets passes of
-        up to ``max_batch_tokens``: short passes each read every weight once more, which on
-        the CPU cost a lone 8 x 128 step of the bundled model 1.25x its time in 128-token
+        Time-slicing is for a shared host: a pass cannot be interrupted, so while sample
+        requests decode (a decode step runs between two passes) or more than one user has
+        a request queued, or queued or answered within ``SHARING_SECONDS``, passes hold
+        ``max_pass_tokens``, and the choice between users is made again after each. One
+        user training alone (with one run or several) gets passes of up to
+        ``max_batch_tokens``: short passes each read every weight once more, which on the
+        CPU cost a lone 8 x 128 step of the bundled model 1.25x its time in 128-token
         passes. ``slice_alone`` keeps ``max_pass_tokens`` for a user alone too.
         """
         if self.max_pass_tokens is None or self.slice_alone or self._shared():
@@ -211,14 +212,13 @@ class HostWorker:
         return self.max_batch_tokens
 
     def _shared(self) -> bool:
-        """Whether more than one user uses the host now (see ``pass_tokens``)."""
+        """Whether passes share the host now (see ``pass_tokens``)."""
+        if self.decoding:
+            return True
         since = time.monotonic() - SHARING_SECONDS
         for user in [u for u, seen in self.seen_at.items() if seen < since]:
             del self.seen_at[user]
-        users = set(self.seen_at)
-        users.update(item.user_id for item in self.pending)
-        users.update(item.user_id for item in self.decoding.values())
-        return len(users) > 1
+        return len(self.seen_at.keys() | {item.user_id for item in self.pending}) > 1
 
     def snapshot(self) -> list[WorkItem]:
         with self.cond:

@@ -547,6 +547,37 @@ def test_with_no_run_resident_there_is_nothing_to_offload():
     assert worker.engine.offloaded == [] and worker.last_used == {}
 
 
+def test_the_pass_budget_is_short_only_while_the_host_is_shared():
+    """max_pass_tokens (7) while another user is queued or seen recently, or samples
+    decode; max_batch_tokens (100) for one user alone."""
+    from types import SimpleNamespace
+
+    from trio_server import worker as worker_module
+
+    worker = HostWorker(SimpleNamespace(engine=_OffloadRecorder(), base_model="m"),  # type: ignore[arg-type]
+                        lambda item, result: None, Sequencing({}, threading.RLock(), 30.0), 600,
+                        max_batch_tokens=100, max_pass_tokens=7)
+    worker.stop()
+    assert worker.pass_tokens() == 100  # nobody yet
+    worker.seen_at = {"a": time.monotonic()}
+    assert worker.pass_tokens() == 100  # one user: alone
+    worker.seen_at["b"] = time.monotonic()
+    assert worker.pass_tokens() == 7
+    worker.seen_at["a"] -= worker_module.SHARING_SECONDS + 1  # a left
+    assert worker.pass_tokens() == 100 and worker.seen_at.keys() == {"b"}
+    worker.seen_at = {"a": time.monotonic()}
+    worker.pending = [SimpleNamespace(user_id="b")]  # type: ignore[list-item]
+    assert worker.pass_tokens() == 7  # queued, however long ago
+    worker.pending = [SimpleNamespace(user_id="a")]  # type: ignore[list-item]
+    assert worker.pass_tokens() == 100
+    worker.decoding = {"s1": SimpleNamespace(user_id="a")}  # type: ignore[dict-item]
+    assert worker.pass_tokens() == 7  # its own samples decode between the passes
+    worker.decoding, worker.slice_alone = {}, True
+    assert worker.pass_tokens() == 7
+    worker.max_pass_tokens = None
+    assert worker.pass_tokens() is None  # never split
+
+
 def test_max_resident_runs_is_at_least_one():
     with pytest.raises(ValueError, match="max_resident_runs"):
         Limits(max_resident_runs=0)
