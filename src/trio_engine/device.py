@@ -174,7 +174,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 KEEP_FREED_BYTES = (1 << 31) - 1  # the largest mallopt takes (an int)
 KEEP_FREED_ENV = "TRIO_KEEP_FREED_MEMORY"
 TRIM_CHECK_SECONDS = 1.0  # how often a bounded host looks at what it holds
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B)?", re.IGNORECASE)
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMG])(?:i?B)?", re.IGNORECASE)
 _trimmer: FreedMemoryTrimmer | None = None
 
 
@@ -197,6 +197,8 @@ def keep_freed_memory() -> bool:
     bound = kept_freed_bytes(os.environ.get(KEEP_FREED_ENV))
     if bound == 0 or not sys.platform.startswith("linux"):
         return False
+    if bound is not None and malloc_info() is None:  # glibc < 2.33: a bound it cannot watch
+        return False  # would keep it all: keep none instead
     libc = ctypes.CDLL(None)
     mallopt = getattr(libc, "mallopt", None)
     if mallopt is None:
@@ -209,16 +211,19 @@ def keep_freed_memory() -> bool:
 
 def kept_freed_bytes(setting: str | None) -> int | None:
     """How much freed memory a host keeps, from ``$TRIO_KEEP_FREED_MEMORY``'s value:
-    None for all (unset or ``1``), else bytes (``0``: none; ``512M``, ``2G``, ``1.5GiB``;
-    a plain number is bytes). Anything else is a ValueError naming the variable."""
+    None for all (unset or ``1``), else bytes (``0``: none; a size with its unit:
+    ``512M``, ``2G``, ``1.5GiB``, ``64 KB``). Anything else is a ValueError naming the
+    variable and the value."""
     if setting is None or setting.strip() == "1":
         return None
+    if setting.strip() == "0":
+        return 0
     match = _SIZE.fullmatch(setting.strip())
     if match is None:
-        raise ValueError(f"{KEEP_FREED_ENV}: expected 1 (keep all), 0 (none) or a size such as 2G, "
+        raise ValueError(f"{KEEP_FREED_ENV}: expected 1 (keep all), 0 (none) or a size such as 512M or 2G, "
                          f"got {setting!r}")
     number, unit = match.groups()
-    return int(float(number) * 1024 ** " KMG".index(unit.upper() or " "))
+    return int(float(number) * 1024 ** " KMG".index(unit.upper()))
 
 
 class _MallInfo2(ctypes.Structure):  # glibc >= 2.33's struct mallinfo2

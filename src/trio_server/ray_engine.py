@@ -30,6 +30,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from trio_engine import AdamConfig, ForwardJob, ForwardResult, LoraConfig, SampleResult
+from trio_engine.device import KEEP_FREED_ENV
 
 from .engine import (
     AdapterInfo,
@@ -134,7 +135,10 @@ class RayEngine:
         # Ray starts workers with OMP_NUM_THREADS=1; raising torch's thread count afterwards
         # still left a step ~20% slower than in-process here, so the actor starts with it set.
         threads = int(os.environ.get("TRIO_THREADS") or os.cpu_count() or 1)
-        options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+        env = {"OMP_NUM_THREADS": str(threads)}
+        if KEEP_FREED_ENV in os.environ:  # the service's memory policy (trio serve sets it), on any node
+            env[KEEP_FREED_ENV] = os.environ[KEEP_FREED_ENV]
+        options["runtime_env"] = {"env_vars": env}
         self.base_model = base_model
         # ``durable`` waits in a group of its own, beside ``call`` (ray's stubs lack the argument)
         actor_class = ray.remote(concurrency_groups={"durable": 1})(HostActor)  # type: ignore[call-overload]

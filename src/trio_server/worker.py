@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .engine import Engine, SnapshotLost
@@ -185,7 +185,7 @@ class HostWorker:
     def enqueue(self, item: WorkItem) -> None:
         """Queue a request: itself, or its first part if it is to run in parts."""
         with self.cond:
-            self.seen_at[item.user_id] = time.monotonic()
+            self._seen([item.user_id])
             budget = self.pass_tokens()
         self._queue(maybe_split(item, budget))
 
@@ -213,12 +213,21 @@ class HostWorker:
 
     def _shared(self) -> bool:
         """Whether passes share the host now (see ``pass_tokens``)."""
-        if self.decoding:
+        if self.decoding or any(item.op == "sample" for item in self.pending):
             return True
+        self._forget_users_gone()
+        return len(self.seen_at.keys() | {item.user_id for item in self.pending}) > 1
+
+    def _seen(self, users: Iterable[str]) -> None:
+        """Note users' requests queued or answered now (under ``cond``)."""
+        now = time.monotonic()
+        self.seen_at.update((user, now) for user in users)
+        self._forget_users_gone()
+
+    def _forget_users_gone(self) -> None:
         since = time.monotonic() - SHARING_SECONDS
         for user in [u for u, seen in self.seen_at.items() if seen < since]:
             del self.seen_at[user]
-        return len(self.seen_at.keys() | {item.user_id for item in self.pending}) > 1
 
     def snapshot(self) -> list[WorkItem]:
         with self.cond:
@@ -313,8 +322,7 @@ class HostWorker:
         take the last one's id for it), and all again once their batch ends, whatever raised."""
         with self.cond:
             self.running.difference_update(i.request_id for i in items)
-            now = time.monotonic()
-            self.seen_at.update((i.user_id, now) for i in items)
+            self._seen(i.user_id for i in items)
 
     def _part_done(self, split: Split, result: Result) -> None:
         """Queue the request's next part, or resolve the request: all parts done, or one failed."""
@@ -363,8 +371,11 @@ class HostWorker:
             return work.admit, work.batch
 
     def _next_work(self) -> Work:
+        budget = self.pass_tokens()
+        if budget is not None and budget != self.max_batch_tokens:  # requests queued while alone: split now
+            self.pending = [maybe_split(item, budget) if split_of(item) is None else item for item in self.pending]
         return next_work(self.pending, self.order.next_seq, len(self.decoding), self.fair,
-                         max_tokens=self.max_batch_tokens, max_pass_tokens=self.pass_tokens())
+                         max_tokens=self.max_batch_tokens, max_pass_tokens=budget)
 
     def _skip_missing_seqs(self) -> None:
         with self.cond:

@@ -218,15 +218,16 @@ def test_freed_memory_over_the_bound_goes_back_to_the_kernel(tiny_host):
 
 
 @pytest.mark.parametrize("setting, expected", [
-    (None, None), ("1", None), ("0", 0), ("100", 100), ("512M", 512 << 20), ("2G", 2 << 30),
+    (None, None), ("1", None), (" 0 ", 0), ("100K", 100 << 10), ("512M", 512 << 20), ("2G", 2 << 30),
     ("1.5GiB", 3 << 29), ("64 mb", 64 << 20)])
 def test_the_bound_on_freed_memory_reads_sizes(setting, expected):
     assert device.kept_freed_bytes(setting) == expected
 
 
-def test_a_bad_bound_on_freed_memory_names_the_variable_and_value():
-    with pytest.raises(ValueError, match=r"TRIO_KEEP_FREED_MEMORY.*'lots'"):
-        device.kept_freed_bytes("lots")
+@pytest.mark.parametrize("setting", ["lots", "1.0", "100", "yes", "2T", "-1G"])
+def test_a_bad_bound_on_freed_memory_names_the_variable_and_value(setting):
+    with pytest.raises(ValueError, match=rf"TRIO_KEEP_FREED_MEMORY.*{setting!r}"):
+        device.kept_freed_bytes(setting)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
@@ -241,6 +242,7 @@ def test_a_bound_on_freed_memory_starts_one_trimmer(monkeypatch):
         assert device._trimmer is trimmer and trimmer.is_alive() and trimmer.bound == 1 << 30
     finally:
         trimmer.stopped.set()
+        trimmer.join(2 * device.TRIM_CHECK_SECONDS)
 
 
 def test_keeping_freed_memory_can_be_turned_off(monkeypatch):

@@ -566,16 +566,22 @@ def test_the_pass_budget_is_short_only_while_the_host_is_shared():
     worker.seen_at["a"] -= worker_module.SHARING_SECONDS + 1  # a left
     assert worker.pass_tokens() == 100 and worker.seen_at.keys() == {"b"}
     worker.seen_at = {"a": time.monotonic()}
-    worker.pending = [SimpleNamespace(user_id="b")]  # type: ignore[list-item]
+    worker.pending = [SimpleNamespace(user_id="b", op="forward_backward")]  # type: ignore[list-item]
     assert worker.pass_tokens() == 7  # queued, however long ago
-    worker.pending = [SimpleNamespace(user_id="a")]  # type: ignore[list-item]
+    worker.pending = [SimpleNamespace(user_id="a", op="forward_backward")]  # type: ignore[list-item]
     assert worker.pass_tokens() == 100
+    worker.pending.append(SimpleNamespace(user_id="a", op="sample"))  # type: ignore[arg-type]
+    assert worker.pass_tokens() == 7  # its own samples will decode between the passes
+    worker.pending.pop()
     worker.decoding = {"s1": SimpleNamespace(user_id="a")}  # type: ignore[dict-item]
-    assert worker.pass_tokens() == 7  # its own samples decode between the passes
+    assert worker.pass_tokens() == 7  # ... and do
     worker.decoding, worker.slice_alone = {}, True
     assert worker.pass_tokens() == 7
     worker.max_pass_tokens = None
     assert worker.pass_tokens() is None  # never split
+    worker.seen_at["a"] -= worker_module.SHARING_SECONDS + 1
+    worker._done([SimpleNamespace(request_id="r", user_id="c")])  # type: ignore[list-item]
+    assert worker.seen_at.keys() == {"c"}  # a user gone is forgotten, whatever the budget
 
 
 def test_max_resident_runs_is_at_least_one():

@@ -24,7 +24,7 @@ import pytest
 import pytrio as trio
 from pytrio.transport.local import LocalTransport
 from trio_engine import AdamConfig
-from trio_server.core import ServiceCore
+from trio_server.core import Limits, ServiceCore
 from trio_server.engine import SnapshotLost
 
 from .snapshots import snapshot_step
@@ -84,9 +84,10 @@ def ray_cluster():
 def cores(ray_cluster, tmp_path_factory):
     """A core on the Ray cluster (model pinned to node b), and an in-process reference."""
     address, _ = ray_cluster
+    sliced = Limits(slice_alone=True)  # one user's large calls run in passes too (see train)
     on_ray = ServiceCore(tmp_path_factory.mktemp("ray-core"), dtype="float32", engine="ray",
-                         ray_address=address, ray_placement={MODEL: NODE_B})
-    local = ServiceCore(tmp_path_factory.mktemp("local-core"), dtype="float32")
+                         ray_address=address, ray_placement={MODEL: NODE_B}, limits=sliced)
+    local = ServiceCore(tmp_path_factory.mktemp("local-core"), dtype="float32", limits=sliced)
     yield on_ray, local
     on_ray.close()
     local.close()
@@ -108,7 +109,7 @@ def train(tc, steps: int, first: int = 0) -> list[float]:
     losses = []
     for k in range(first, first + steps):
         # 8 x 9 = 72 tokens: over the default max_pass_tokens (64), so each call runs as two
-        # passes, and the actor holds and frees the run's grads between them
+        # passes (slice_alone), and the actor holds and frees the run's grads between them
         fb = tc.forward_backward([datum(k), datum(k + 3)] * 4)
         tc.optim_step(trio.AdamParams(learning_rate=1e-2))
         losses.append(fb.result().metrics["loss:sum"])

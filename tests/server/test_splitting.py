@@ -10,7 +10,7 @@ import torch
 import pytrio as trio
 from pytrio.transport.local import LocalTransport
 from trio_server.core import Limits, ServiceCore
-from trio_server.splitting import Split, cut, in_whole_request, maybe_split
+from trio_server.splitting import Split, cut, in_whole_request, maybe_split, split_of
 
 from ..polling import wait_until
 from .test_fault_isolation import NAN_DATUM, after_step, datum, rl_datum
@@ -216,7 +216,7 @@ def test_the_rest_of_a_split_request_is_cut_afresh_for_the_budget_of_the_moment(
 @pytest.fixture
 def sliced_when_shared(core, monkeypatch):
     """The core's worker slicing only while users share it, with no user seen before."""
-    worker = core.workers[MODEL]
+    worker = core._worker(MODEL)
     monkeypatch.setattr(worker, "slice_alone", False)
     with worker.cond:
         worker.seen_at.clear()
@@ -236,6 +236,7 @@ def test_a_user_alone_runs_a_large_request_in_one_pass(core, sliced_when_shared)
 def test_slicing_starts_and_stops_with_the_sharing(core, sliced_when_shared, monkeypatch):
     from trio_server import worker as worker_module
 
+    monkeypatch.setattr(worker_module, "SHARING_SECONDS", 3600.0)  # until then_alone says otherwise
     flood, light = trainer(core, "flood", seed=12), trainer(core, "light", seed=13)
     light.forward([datum()]).result(timeout=120)  # seen just now: the host is shared
     seen = passes(core)
@@ -254,6 +255,31 @@ def test_slicing_starts_and_stops_with_the_sharing(core, sliced_when_shared, mon
         del sliced_when_shared.engine.forward_backward
     parts = [[n for _, n in jobs] for jobs in seen]
     assert parts == [[2], [2], [2]] + [[2], [4]] + [[6]]
+
+
+def test_a_request_queued_while_alone_is_sliced_once_another_user_comes(core, sliced_when_shared):
+    flood, light = trainer(core, "flood", seed=14), trainer(core, "light", seed=15)
+    worker = sliced_when_shared
+    order: list[str] = []
+    real_fb, real_fwd = worker.engine.forward_backward, worker.engine.forward
+    worker.engine.forward_backward = lambda jobs: (order.append(f"fb x{len(jobs[0].examples)}"), real_fb(jobs))[1]
+    worker.engine.forward = lambda jobs: (order.append(f"forward {jobs[0].adapter_id}"), real_fwd(jobs))[1]
+    try:
+        with worker.cond:
+            worker.seen_at.clear()  # as if light had not come yet
+        with worker.engine.host.lock:
+            blocker = flood.forward([datum()])
+            wait_until(lambda: bool(worker.running), "the blocker to run")
+            big = flood.forward_backward([datum()] * 6)  # flood alone: queued whole
+            wait_until(lambda: len(worker.snapshot()) == 1, "the big request to queue")
+            assert split_of(worker.snapshot()[0]) is None
+            small = light.forward([datum()])  # now the host is shared
+            wait_until(lambda: len(worker.snapshot()) == 2, "both to queue")
+        for future in (blocker, big, small):
+            future.result(timeout=120)
+    finally:
+        del worker.engine.forward_backward, worker.engine.forward
+    assert [entry for entry in order if entry.startswith("fb")] == ["fb x2"] * 3, order
 
 
 def test_a_bug_merging_the_parts_fails_that_request_not_the_worker(core, monkeypatch):
