@@ -41,13 +41,16 @@ class _RMSNormFunction(torch.autograd.Function):
             out = weight * normed.to(x.dtype)
         else:
             out = (normed * (1.0 + weight.float())).to(x.dtype)
-        ctx.save_for_backward(normed, rstd, weight)
+        # The input, not ``normed``: in bf16 half the bytes (fp32: the same), and the
+        # backward recomputes ``normed`` with the same ops, so the same bits.
+        ctx.save_for_backward(x, rstd, weight)
         ctx.form, ctx.dtype = form, x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        normed, rstd, weight = ctx.saved_tensors
+        x, rstd, weight = ctx.saved_tensors
+        normed = x.float() * rstd
         if ctx.form == "scale_after_cast":
             g = (grad_out * weight).float()
         else:

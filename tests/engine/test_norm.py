@@ -85,3 +85,17 @@ def test_a_fused_norm_refuses_a_trainable_weight():
     fused = FusedRMSNorm(nn.Parameter(torch.ones(4)), 1e-6, "one_plus_w")
     with pytest.raises(RuntimeError, match="frozen"):
         fused(torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("form", norm.FORMS)
+def test_in_bf16_a_fused_norm_keeps_its_bf16_input_for_the_backward_not_an_fp32_copy(form):
+    """What it saves is what it holds from the forward to the backward, per norm per layer:
+    the bf16 input (2 bytes a value) and one fp32 scale per row, not fp32 normalised values."""
+    weight = nn.Parameter(torch.randn(64, dtype=torch.bfloat16), requires_grad=False)
+    x = torch.randn(8, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = FusedRMSNorm(weight, 1e-6, form)(x)
+    assert sum(t.nbytes for t in saved) == x.nbytes + 8 * 16 * 4 + weight.nbytes
+    out.sum().backward()  # and the backward still runs from them
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16
