@@ -12,8 +12,9 @@ runs at most one other batch (training etc.), then one decode step
 (``handlers.decode``), and resolves every request that finished in that step at once, so
 a short request never waits for a long one it shares the batch with.
 
-A large forward or forward_backward request is queued one part at a time
-(``splitting.py``): after each part the worker queues the next (due by its user's tag,
+A large forward or forward_backward request runs one part at a time
+(``splitting.py``; it is split when the worker next schedules, by the pass budget then):
+after each part the worker queues the next (due by its user's tag,
 so other users may go first), and resolves the request once, when its last part is done
 or one failed (``handlers.finish_split`` then merges the parts' results, or rolls the
 run's grads back to before the first part). On every turn of its loop, the worker
@@ -183,11 +184,10 @@ class HostWorker:
         return resolve_and_wake
 
     def enqueue(self, item: WorkItem) -> None:
-        """Queue a request: itself, or its first part if it is to run in parts."""
+        """Queue a request (split into parts before it runs, if over the pass budget then)."""
         with self.cond:
             self._seen([item.user_id])
-            budget = self.pass_tokens()
-        self._queue(maybe_split(item, budget))
+        self._queue(item)
 
     def _queue(self, item: WorkItem) -> None:
         with self.cond:
@@ -372,7 +372,7 @@ class HostWorker:
 
     def _next_work(self) -> Work:
         budget = self.pass_tokens()
-        if budget is not None and budget != self.max_batch_tokens:  # requests queued while alone: split now
+        if budget is not None:  # split by the budget of the moment; a split's later parts by ``advance``
             self.pending = [maybe_split(item, budget) if split_of(item) is None else item for item in self.pending]
         return next_work(self.pending, self.order.next_seq, len(self.decoding), self.fair,
                          max_tokens=self.max_batch_tokens, max_pass_tokens=budget)

@@ -584,6 +584,34 @@ def test_the_pass_budget_is_short_only_while_the_host_is_shared():
     assert worker.seen_at.keys() == {"c"}  # a user gone is forgotten, whatever the budget
 
 
+def test_the_worker_splits_whole_requests_by_the_budget_and_leaves_parts_to_their_split():
+    """A queued request is cut by the pass budget when the worker schedules; a part queued
+    under a larger budget stays one part (its split re-cuts only what comes after it)."""
+    from types import SimpleNamespace
+
+    from pytrio import types as t
+    from trio_server.scheduler import WorkItem
+    from trio_server.splitting import maybe_split, split_of
+
+    worker = HostWorker(SimpleNamespace(engine=_OffloadRecorder(), base_model="m"),  # type: ignore[arg-type]
+                        lambda item, result: None, Sequencing({}, threading.RLock(), 30.0), 600,
+                        max_batch_tokens=100, max_pass_tokens=12)
+    worker.stop()
+    toks = list(range(1, 8))
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})
+
+    def request(rid: str, user: str) -> WorkItem:
+        return WorkItem(rid, "forward_backward", t.ForwardRequest(model_id=f"run-{user}", seq=0, data=[datum] * 8),
+                        user, f"run-{user}", 0)
+
+    whole, part = request("r1", "a"), maybe_split(request("r2", "b"), 24)  # a part of 4 datums (24 tokens)
+    worker.pending = [whole, part]
+    worker._next_work()  # two users queued: passes of 12 tokens
+    assert worker.pending[1] is part and len(part.request.data) == 4
+    split = split_of(worker.pending[0])
+    assert split is not None and split.whole is whole and split.starts == [0, 2, 4, 6]
+
+
 def test_max_resident_runs_is_at_least_one():
     with pytest.raises(ValueError, match="max_resident_runs"):
         Limits(max_resident_runs=0)
