@@ -610,6 +610,9 @@ def test_the_worker_splits_whole_requests_by_the_budget_and_leaves_parts_to_thei
     assert worker.pending[1] is part and len(part.request.data) == 4
     split = split_of(worker.pending[0])
     assert split is not None and split.whole is whole and split.starts == [0, 2, 4, 6]
+    worker.max_pass_tokens, worker.max_batch_tokens = None, 60  # never split: batches still bounded
+    worker.pending = [request("r3", "a"), request("r4", "b")]  # 48 tokens each
+    assert [item.request_id for item in worker._next_work().batch] == ["r3"]
 
 
 def test_max_resident_runs_is_at_least_one():
