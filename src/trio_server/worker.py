@@ -13,8 +13,8 @@ runs at most one other batch (training etc.), then one decode step
 a short request never waits for a long one it shares the batch with.
 
 A large forward or forward_backward request runs one part at a time
-(``splitting.py``; it is split when the worker next schedules, by the pass budget then):
-after each part the worker queues the next (due by its user's tag,
+(``splitting.py``; split by the pass budget when queued, and again if the budget changes
+before it runs): after each part the worker queues the next (due by its user's tag,
 so other users may go first), and resolves the request once, when its last part is done
 or one failed (``handlers.finish_split`` then merges the parts' results, or rolls the
 run's grads back to before the first part). On every turn of its loop, the worker
@@ -171,6 +171,7 @@ class HostWorker:
         self.decoding: dict[str, WorkItem] = {}  # request id -> sample request in the decode batch
         self.admitted_at: dict[str, float] = {}  # request id -> when it joined the decode batch
         self.decode_steps = 0  # decode steps run so far (tests and metrics watch it)
+        self.cut_at = self.pass_tokens()  # the pass budget the queued requests are split by
         self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{ctx.base_model}", daemon=True)
         self.thread.start()
 
@@ -184,9 +185,11 @@ class HostWorker:
         return resolve_and_wake
 
     def enqueue(self, item: WorkItem) -> None:
-        """Queue a request (split into parts before it runs, if over the pass budget then)."""
+        """Queue a request: itself, or its first part if over the queue's pass budget
+        (``cut_at``; if the budget changes before it runs, ``_next_work`` cuts it again)."""
         with self.cond:
             self._seen([item.user_id])
+            item = maybe_split(item, self.cut_at)
         self._queue(item)
 
     def _queue(self, item: WorkItem) -> None:
@@ -372,8 +375,10 @@ class HostWorker:
 
     def _next_work(self) -> Work:
         budget = self.pass_tokens()
-        if budget is not None:  # split by the budget of the moment; a split's later parts by ``advance``
+        if budget != self.cut_at:  # sharing began or ended: cut the queue by the new budget
+            # (only then: a scan of every queued request cost 3.4 ms a turn at 1000 queued)
             self.pending = [maybe_split(item, budget) if split_of(item) is None else item for item in self.pending]
+            self.cut_at = budget
         return next_work(self.pending, self.order.next_seq, len(self.decoding), self.fair,
                          max_tokens=self.max_batch_tokens, max_pass_tokens=budget)
 
