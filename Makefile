@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sample.py
 	$(BIN)/python benchmarks/continuous_batching.py
 	$(BIN)/python benchmarks/prefix_cache.py
+	$(BIN)/python benchmarks/long_decode.py
 	$(BIN)/python benchmarks/tenants.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/logits_memory.py

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trio_engine import (
+    DecodeBatch,
     Example,
     ForwardJob,
     InvalidInputError,
@@ -16,6 +17,7 @@ from trio_engine import (
     SampleRequest,
     SamplingConfig,
 )
+from trio_engine.kv_cache import MIN_ROOM, GrowingCache, GrowingLayer
 
 from .helpers import (
     TEST_CATALOG,
@@ -119,18 +121,28 @@ def test_sampling_passes_the_kv_cache_by_its_current_name(tiny_host):
 @pytest.mark.parametrize("with_adapter", [False, True])
 def test_greedy_matches_plain_argmax_loop(tiny_host, adapted, reference_models, with_adapter):
     aid = adapted if with_adapter else None
-    greedy = SamplingConfig(max_tokens=6, temperature=0.0)
+    n = MIN_ROOM + 8  # past the room of the KV buffers the prefill made: decode steps outgrow them
+    greedy = SamplingConfig(max_tokens=n, temperature=0.0)
     results = tiny_host.sample([SampleRequest(aid, p, 2, greedy) for p in PROMPTS])
     for prompt, result in zip(PROMPTS, results):
         model = reference_models[aid]
-        want = greedy_reference(model, prompt, 6)
+        want = greedy_reference(model, prompt, n)
         assert len(result.sequences) == 2
         for seq in result.sequences:
             # whole sequences, of the full length: an empty or short output fails here
-            assert seq.tokens == want and len(seq.tokens) == 6
+            assert seq.tokens == want and len(seq.tokens) == n
             assert seq.stop_reason == "length"
-            ref_lp = reference_logprobs(model, prompt + want[:-1], prompt[1:] + want)[-6:]
+            ref_lp = reference_logprobs(model, prompt + want[:-1], prompt[1:] + want)[-n:]
             torch.testing.assert_close(torch.tensor(seq.logprobs), ref_lp, atol=1e-4, rtol=1e-4)
+
+
+def test_an_fp32_batch_decodes_on_kv_buffers_that_grow_in_place(tiny_host):
+    batch = DecodeBatch(tiny_host, None)
+    with torch.no_grad():
+        batch.admit([SampleRequest(None, PROMPTS[0], 2, SamplingConfig(max_tokens=4, seed=0))], ["r"])
+        batch.step()
+    assert isinstance(batch.cache, GrowingCache)
+    assert batch.cache.layers and all(isinstance(layer, GrowingLayer) for layer in batch.cache.layers)
 
 
 def test_sampler_logprobs_equal_trainer_logprobs(tiny_host, adapted):

@@ -1,0 +1,69 @@
+"""GrowingCache against transformers' DynamicCache: the same keys and values after any
+mix of updates, row selections and assignments, without copying the cache per step."""
+
+import torch
+from transformers import DynamicCache
+
+from trio_engine.kv_cache import MIN_ROOM, GrowingCache
+from trio_engine.sampler import kv_cache_class
+
+
+def _kv(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, length, 8, generator=gen), torch.randn(batch, 3, length, 8, generator=gen)
+
+
+def _same(ours: GrowingCache, reference: DynamicCache) -> None:
+    for mine, theirs in zip(ours.layers, reference.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys)
+        assert torch.equal(mine.values, theirs.values)
+    assert ours.get_seq_length() == reference.get_seq_length()
+
+
+def _both(caches, keys, values, layer=0):
+    outs = [cache.update(keys, values, layer) for cache in caches]
+    assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
+
+
+def test_updates_selections_and_assignments_match_dynamic_cache():
+    ours, reference = GrowingCache(), DynamicCache()
+    caches = (ours, reference)
+    for layer in range(2):
+        _both(caches, *_kv(4, 10, layer), layer)  # a prefill
+    for step in range(40):  # decode steps, past the first buffer's room
+        for layer in range(2):
+            _both(caches, *_kv(4, 1, 100 + step * 2 + layer), layer)
+    _same(ours, reference)
+    rows = torch.tensor([0, 2, 2])  # rows leaving, a row shared
+    for cache in caches:
+        cache.batch_select_indices(rows)
+    _same(ours, reference)
+    for cache in caches:  # the sampler trims unused columns off the left by assignment
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, 5:], layer.values[:, :, 5:]
+    for step in range(3):
+        for layer in range(2):
+            _both(caches, *_kv(3, 1, 500 + step * 2 + layer), layer)
+    _same(ours, reference)
+
+
+def test_a_decode_step_writes_in_place_until_the_room_is_used():
+    cache = GrowingCache()
+    cache.update(*_kv(2, 40, 0), 0)
+    layer = cache.layers[0]
+    capacity = 40 + max(40 // 2, MIN_ROOM)
+    start = (layer.keys.data_ptr(), layer.values.data_ptr())
+    for step in range(capacity - 40):
+        cache.update(*_kv(2, 1, step + 1), 0)
+        assert (layer.keys.data_ptr(), layer.values.data_ptr()) == start
+    assert layer.keys.shape[-2] == capacity
+    cache.update(*_kv(2, 1, 999), 0)  # full: a new buffer with room again
+    assert layer.keys.data_ptr() != start[0]
+    assert layer.keys.untyped_storage().nbytes() == 2 * 3 * (capacity + 1 + (capacity + 1) // 2) * 8 * 4
+
+
+def test_the_sampler_grows_in_place_but_in_bf16_on_the_cpu():
+    assert kv_cache_class(torch.float32, torch.device("cpu")) is GrowingCache
+    assert kv_cache_class(torch.bfloat16, torch.device("cpu")) is DynamicCache  # attention.grouped wants contiguous KV
+    assert kv_cache_class(torch.bfloat16, torch.device("cuda")) is GrowingCache
+    assert kv_cache_class(torch.float16, torch.device("cpu")) is GrowingCache
