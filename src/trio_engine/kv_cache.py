@@ -44,24 +44,29 @@ class GrowingLayer(DynamicLayer):
         assert self.keys is not None and self.values is not None  # set by lazy_initialization
         start = self.get_seq_length()
         stop = start + key_states.shape[-2]
-        if self._buffers is None or not self._owns_views() or stop > self._buffers[0].shape[-2]:
-            self._buffers = (_with_room(self.keys, key_states, stop), _with_room(self.values, value_states, stop))
-        keys, values = self._buffers
-        keys[:, :, start:stop] = key_states
-        values[:, :, start:stop] = value_states
+        buffers = self._own_buffers()
+        if buffers is None or stop > buffers[0].shape[-2]:
+            buffers = self._buffers = (_with_room(self.keys, key_states, stop),
+                                       _with_room(self.values, value_states, stop))
+        buffers[0][:, :, start:stop] = key_states
+        buffers[1][:, :, start:stop] = value_states
         return self._show(stop)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self._buffers is None or not self._owns_views():
+        buffers = self._own_buffers()
+        if buffers is None:
             super().batch_select_indices(indices)
             return
         length = self.get_seq_length()
-        self._buffers = (self._buffers[0][indices], self._buffers[1][indices])
+        self._buffers = (buffers[0][indices], buffers[1][indices])
         self._show(length)
 
-    def _owns_views(self) -> bool:
-        """Whether ``keys``/``values`` are still the views this layer set (nobody assigned others)."""
-        return self._views is not None and self.keys is self._views[0] and self.values is self._views[1]
+    def _own_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The buffers, while ``keys``/``values`` are the views this layer set on them
+        (nobody has assigned others since); else None."""
+        if self._views is not None and self.keys is self._views[0] and self.values is self._views[1]:
+            return self._buffers
+        return None
 
     def _show(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Point ``keys``/``values`` at the buffers' first ``length`` positions."""

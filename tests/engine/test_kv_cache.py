@@ -45,6 +45,14 @@ def test_updates_selections_and_assignments_match_dynamic_cache():
         for layer in range(2):
             _both(caches, *_kv(3, 1, 500 + step * 2 + layer), layer)
     _same(ours, reference)
+    for cache in caches:  # assigned again, then rows selected before any update
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, 1:], layer.values[:, :, 1:]
+        cache.batch_select_indices(torch.tensor([2, 0]))
+    _same(ours, reference)
+    for layer in range(2):
+        _both(caches, *_kv(2, 1, 900 + layer), layer)
+    _same(ours, reference)
 
 
 def test_a_decode_step_writes_in_place_until_the_room_is_used():
@@ -59,7 +67,13 @@ def test_a_decode_step_writes_in_place_until_the_room_is_used():
     assert layer.keys.shape[-2] == capacity
     cache.update(*_kv(2, 1, 999), 0)  # full: a new buffer with room again
     assert layer.keys.data_ptr() != start[0]
-    assert layer.keys.untyped_storage().nbytes() == 2 * 3 * (capacity + 1 + (capacity + 1) // 2) * 8 * 4
+    grown = capacity + 1 + (capacity + 1) // 2
+    assert layer.keys.untyped_storage().nbytes() == 2 * 3 * grown * 8 * 4
+    cache.batch_select_indices(torch.tensor([1]))  # a row leaving: the rest keeps the room
+    start = (layer.keys.data_ptr(), layer.values.data_ptr())
+    cache.update(*_kv(1, 1, 1000), 0)
+    assert (layer.keys.data_ptr(), layer.values.data_ptr()) == start
+    assert layer.keys.untyped_storage().nbytes() == 1 * 3 * grown * 8 * 4
 
 
 def test_the_sampler_grows_in_place_but_in_bf16_on_the_cpu():

@@ -82,7 +82,7 @@ def test_a_cpu_where_the_weight_major_form_does_not_pay_keeps_the_usual_one(monk
     assert product.is_contiguous()  # nn.Linear's own layout
 
 
-@pytest.mark.parametrize("gain, pays", [(1.3, True), (1.2, False), (0.45, False)])
+@pytest.mark.parametrize("gain, pays", [(1.3, True), (1.25, True), (1.2, False), (0.45, False)])
 def test_the_form_is_measured_once_and_taken_only_on_a_clear_gain(monkeypatch, gain, pays):
     measured = []
     monkeypatch.delenv(lora.FEW_ROW_FORM_ENV, raising=False)
@@ -100,6 +100,13 @@ def test_the_environment_decides_the_form_without_measuring(monkeypatch, form, p
     assert lora.weight_major_pays() is pays
 
 
+def test_an_empty_form_in_the_environment_measures(monkeypatch):
+    monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, "")
+    monkeypatch.setattr(lora, "_weight_major_pays", None)
+    monkeypatch.setattr(lora, "weight_major_gain", lambda: 2.0)
+    assert lora.weight_major_pays() is True
+
+
 def test_a_bad_form_in_the_environment_names_the_variable(monkeypatch):
     monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, "fast")
     monkeypatch.setattr(lora, "_weight_major_pays", None)
@@ -110,6 +117,38 @@ def test_a_bad_form_in_the_environment_names_the_variable(monkeypatch):
 def test_the_measured_gain_is_a_ratio_of_two_timings():
     gain = lora.weight_major_gain(rows=(2,), repeats=1)
     assert 0 < gain < float("inf")
+
+
+def test_the_gain_is_the_smaller_over_row_counts_of_the_usual_forms_time_over_the_other(monkeypatch):
+    """With the timings given (no clock involved): the measurement's shapes, its repeats
+    (medians), and the ratio."""
+    calls = []
+    times = {(2, "usual"): [0.30, 0.90, 0.31], (2, "major"): [0.10, 0.10, 0.50],   # medians 0.31 / 0.10
+             (8, "usual"): [0.40, 0.40, 0.40], (8, "major"): [0.20, 0.25, 0.20]}   # 0.40 / 0.20
+
+    def seconds(product, weights, x):
+        form = "usual" if product is torch.nn.functional.linear else "major"
+        assert product in (torch.nn.functional.linear, lora.weight_major_product)
+        assert len(weights) == 16 and all(w.shape == (1536, 576) for w in weights)  # more than a cache holds
+        calls.append((x.shape, form))
+        return times[(x.shape[0], form)][sum(1 for shape, f in calls if f == form and shape == x.shape) - 1]
+
+    monkeypatch.setattr(lora, "_seconds", seconds)
+    assert lora.weight_major_gain(rows=(2, 8), repeats=3) == pytest.approx(2.0)  # min(3.1, 2.0)
+    assert [shape for shape, _ in calls] == [(2, 576)] * 6 + [(8, 576)] * 6
+    assert [form for _, form in calls] == ["usual", "major"] * 6  # interleaved
+    calls.clear()
+    monkeypatch.setattr(lora, "_seconds", lambda product, weights, x: calls.append(x.shape) or 1.0)
+    lora.weight_major_gain()
+    assert calls == [(2, 576)] * 10 + [(8, 576)] * 10  # by default 2 and 8 rows, 5 repeats of each form
+
+
+def test_a_product_is_timed_from_its_start(monkeypatch):
+    clock = iter([10.0, 10.5])
+    monkeypatch.setattr(lora.time, "perf_counter", lambda: next(clock))
+    done = []
+    assert lora._seconds(lambda x, w, b: done.append(w), [1, 2], None) == 0.5
+    assert done == [1, 2]
 
 
 def test_new_adapter_changes_nothing(tiny_host, new_id):

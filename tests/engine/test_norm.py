@@ -76,6 +76,13 @@ def test_install_swaps_only_frozen_norms_a_known_form_reproduces():
     assert isinstance(model[1], _EpsOutsideRoot) and isinstance(model[2], LlamaRMSNorm)
 
 
+def test_install_counts_every_norm_it_swaps():
+    model = plain_model(FAMILY_SOURCES["llama"].name).requires_grad_(False)
+    layers = model.config.num_hidden_layers
+    assert norm.install(model) == 2 * layers + 1  # two per decoder layer and the final one
+    assert sum(isinstance(m, FusedRMSNorm) for m in model.modules()) == 2 * layers + 1
+
+
 def test_an_unknown_form_is_refused_by_name():
     with pytest.raises(ValueError, match="form: 'after'"):
         FusedRMSNorm(nn.Parameter(torch.ones(4)), 1e-6, "after")

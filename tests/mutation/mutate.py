@@ -52,6 +52,7 @@ MODULES: dict[str, list[str]] = {
     "trio_engine.attention": ["trio_engine.attention.*"],
     "trio_engine.norm": ["trio_engine.norm.*"],
     "trio_engine.sampler": ["trio_engine.sampler.*"],
+    "trio_engine.kv_cache": ["trio_engine.kv_cache.*"],
     "trio_server.scheduler": ["trio_server.scheduler.*"],
     "trio_server.core (submit/retrieve/ordering)": CORE_PATH,
     "trio_server.worker (ordering, batching)": ["trio_server.worker.*"],

@@ -12,7 +12,7 @@ import pytrio as trio
 from pytrio.transport.local import LocalTransport
 from trio_server.core import Limits, ServiceCore
 from trio_server.engine import snapshot_path
-from trio_server.worker import HostWorker, Sequencing
+from trio_server.worker import Answers, HostWorker, Sequencing
 
 from ..polling import wait_until
 
@@ -722,6 +722,16 @@ def test_the_worker_is_a_named_daemon_thread(tmp_path):
     assert (thread.name, thread.daemon) == (f"trio-worker-{MODEL}", True)
     assert (answers.name, answers.daemon) == (f"trio-answers-{MODEL}", True)
     core.close()
+
+
+def test_answers_run_on_a_daemon_thread_whichever_thread_makes_them():
+    """The worker's Answers is made on whatever thread first needs the worker; a thread
+    made without ``daemon`` takes its maker's, so test one made on this (non-daemon) one."""
+    answers = Answers("trio-answers-test", engine=None, resolve=lambda item, result: None)  # type: ignore[arg-type]
+    try:
+        assert answers.thread.daemon
+    finally:
+        answers.close(5)
 
 
 def test_a_request_has_left_running_when_it_is_resolved(tmp_path):
