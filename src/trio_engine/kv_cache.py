@@ -6,15 +6,16 @@ transformers' ``DynamicCache`` appends each decode step's keys and values with
 layer's keys and values in buffers with room for more positions and writes new ones in
 place; a layer's ``keys`` and ``values`` are views of the filled part, so code written
 for ``DynamicCache`` reads them unchanged. fp32 decode steps of 8 rows ran 1.09x / 1.28x
-/ 1.43x as fast at 256 / 1024 / 2048 cached tokens (``benchmarks/long_decode.py``).
+/ 1.43-1.45x as fast at 256 / 1024 / 2048 cached tokens (``benchmarks/long_decode.py``).
 The sampler keeps ``DynamicCache`` in bf16 on the CPU (``sampler.kv_cache_class``).
 
-A full buffer is replaced by one half again as long as needed, so over a generation each
-position is copied about twice in all, and at most a third of a buffer is unused. Code
-that assigns a layer's ``keys``/``values`` itself (the sampler trimming or merging
-batches, ``crop``) leaves the buffer behind: the next ``update`` copies the assigned
-tensors into a new one. Selecting batch rows (rows leaving, samples sharing a prefill)
-selects the buffers' rows, room included.
+A full buffer is replaced by one half again as long as needed (and at least ``MIN_ROOM``
+positions more), so over a long generation each position is copied two to three times
+in all, and a buffer past 32 positions is at most a third unused. Code that assigns a
+layer's ``keys``/``values`` itself (the sampler trimming or merging batches, ``crop``)
+lets the buffers go: the next ``update`` copies the assigned tensors into new ones.
+Selecting batch rows (rows leaving, samples sharing a prefill) selects the buffers' rows,
+room included.
 """
 
 from __future__ import annotations
@@ -30,12 +31,39 @@ MIN_ROOM = 16  # positions of room a new buffer has at least
 
 class GrowingLayer(DynamicLayer):
     """A full-attention layer's keys and values (B, heads, L, D), kept in buffers of
-    (B, heads, capacity, D)."""
+    (B, heads, capacity, D).
+
+    ``keys`` and ``values`` are properties: assigning anything but the views this layer
+    set (the sampler trimming or merging a batch, ``crop``, ``reset``) lets the buffers
+    go at once, so their memory is freed with the old views rather than held until the
+    layer's next ``update``."""
 
     def __init__(self) -> None:
-        super().__init__()
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # what ``keys``/``values`` were set to
+        self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # the filled parts of the buffers
+        super().__init__()  # sets keys and values (None) through the properties
+
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
+        return self._keys
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._keys = tensor
+        self._keep_buffers_if_mine(tensor, 0)
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
+        return self._values
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._values = tensor
+        self._keep_buffers_if_mine(tensor, 1)
+
+    def _keep_buffers_if_mine(self, tensor: torch.Tensor | None, which: int) -> None:
+        if self._views is None or tensor is not self._views[which]:
+            self._buffers = self._views = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,36 +72,28 @@ class GrowingLayer(DynamicLayer):
         assert self.keys is not None and self.values is not None  # set by lazy_initialization
         start = self.get_seq_length()
         stop = start + key_states.shape[-2]
-        buffers = self._own_buffers()
+        buffers = self._buffers
         if buffers is None or stop > buffers[0].shape[-2]:
-            buffers = self._buffers = (_with_room(self.keys, key_states, stop),
-                                       _with_room(self.values, value_states, stop))
+            buffers = (_with_room(self.keys, key_states, stop), _with_room(self.values, value_states, stop))
         buffers[0][:, :, start:stop] = key_states
         buffers[1][:, :, start:stop] = value_states
-        return self._show(stop)
+        return self._show(buffers, stop)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        buffers = self._own_buffers()
-        if buffers is None:
+        if self._buffers is None:
             super().batch_select_indices(indices)
             return
         length = self.get_seq_length()
-        self._buffers = (buffers[0][indices], buffers[1][indices])
-        self._show(length)
+        self._show((self._buffers[0][indices], self._buffers[1][indices]), length)
 
-    def _own_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The buffers, while ``keys``/``values`` are the views this layer set on them
-        (nobody has assigned others since); else None."""
-        if self._views is not None and self.keys is self._views[0] and self.values is self._views[1]:
-            return self._buffers
-        return None
-
-    def _show(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Point ``keys``/``values`` at the buffers' first ``length`` positions."""
-        assert self._buffers is not None
-        self._views = (self._buffers[0][:, :, :length], self._buffers[1][:, :, :length])
-        self.keys, self.values = self._views
-        return self._views
+    def _show(self, buffers: tuple[torch.Tensor, torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take ``buffers`` as the layer's, and point ``keys``/``values`` at their first
+        ``length`` positions."""
+        views = (buffers[0][:, :, :length], buffers[1][:, :, :length])
+        self._views = views
+        self.keys, self.values = views
+        self._buffers = buffers
+        return views
 
 
 def _with_room(filled: torch.Tensor, new: torch.Tensor, needed: int) -> torch.Tensor:

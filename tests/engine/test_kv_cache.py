@@ -81,3 +81,20 @@ def test_the_sampler_grows_in_place_but_in_bf16_on_the_cpu():
     assert kv_cache_class(torch.bfloat16, torch.device("cpu")) is DynamicCache  # attention.grouped wants contiguous KV
     assert kv_cache_class(torch.bfloat16, torch.device("cuda")) is GrowingCache
     assert kv_cache_class(torch.float16, torch.device("cpu")) is GrowingCache
+
+
+def test_a_layer_lets_its_buffers_go_when_its_tensors_are_replaced():
+    """As the sampler's merge and trim do: the old buffers are freed then, not held until
+    the layer's next update."""
+    import gc
+    import weakref
+
+    cache = GrowingCache()
+    cache.update(*_kv(2, 40, 0), 0)
+    layer = cache.layers[0]
+    buffers = [weakref.ref(layer.keys._base), weakref.ref(layer.values._base)]  # the views' buffers
+    layer.keys, layer.values = layer.keys[:, :, 3:].clone(), layer.values[:, :, 3:].clone()
+    gc.collect()
+    assert [b() for b in buffers] == [None, None]
+    cache.update(*_kv(2, 1, 1), 0)  # and carries on from the assigned tensors
+    assert layer.keys.shape[-2] == 38 and torch.equal(layer.keys[:, :, -1:], _kv(2, 1, 1)[0])

@@ -141,6 +141,9 @@ def test_an_fp32_batch_decodes_on_kv_buffers_that_grow_in_place(tiny_host):
     with torch.no_grad():
         batch.admit([SampleRequest(None, PROMPTS[0], 2, SamplingConfig(max_tokens=4, seed=0))], ["r"])
         batch.step()
+        where = [layer.keys.data_ptr() for layer in batch.cache.layers]
+        batch.step()  # a step writes into the room the prefill left: nothing moves
+        assert [layer.keys.data_ptr() for layer in batch.cache.layers] == where
     assert isinstance(batch.cache, GrowingCache)
     assert batch.cache.layers and all(isinstance(layer, GrowingLayer) for layer in batch.cache.layers)
 
