@@ -33,15 +33,12 @@ class GrowingLayer(DynamicLayer):
     """A full-attention layer's keys and values (B, heads, L, D), kept in buffers of
     (B, heads, capacity, D).
 
-    ``keys`` and ``values`` are properties: assigning anything but the views this layer
-    set (the sampler trimming or merging a batch, ``crop``, ``reset``) lets the buffers
-    go at once, so their memory is freed with the old views rather than held until the
-    layer's next ``update``."""
+    ``keys`` and ``values`` are properties: assigning them (the sampler trimming or
+    merging a batch, ``crop``, ``reset``) lets the buffers go at once, so their memory is
+    freed with the old views rather than held until the layer's next ``update``; ``_show``
+    takes buffers back after pointing the two at them."""
 
-    def __init__(self) -> None:
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # the filled parts of the buffers
-        super().__init__()  # sets keys and values (None) through the properties
+    _buffers: tuple[torch.Tensor, torch.Tensor] | None  # set by the properties (DynamicLayer's __init__)
 
     @property  # type: ignore[override]
     def keys(self) -> torch.Tensor | None:
@@ -49,8 +46,7 @@ class GrowingLayer(DynamicLayer):
 
     @keys.setter
     def keys(self, tensor: torch.Tensor | None) -> None:
-        self._keys = tensor
-        self._keep_buffers_if_mine(tensor, 0)
+        self._keys, self._buffers = tensor, None
 
     @property  # type: ignore[override]
     def values(self) -> torch.Tensor | None:
@@ -58,12 +54,7 @@ class GrowingLayer(DynamicLayer):
 
     @values.setter
     def values(self, tensor: torch.Tensor | None) -> None:
-        self._values = tensor
-        self._keep_buffers_if_mine(tensor, 1)
-
-    def _keep_buffers_if_mine(self, tensor: torch.Tensor | None, which: int) -> None:
-        if self._views is None or tensor is not self._views[which]:
-            self._buffers = self._views = None
+        self._values, self._buffers = tensor, None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,10 +78,9 @@ class GrowingLayer(DynamicLayer):
         self._show((self._buffers[0][indices], self._buffers[1][indices]), length)
 
     def _show(self, buffers: tuple[torch.Tensor, torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Take ``buffers`` as the layer's, and point ``keys``/``values`` at their first
-        ``length`` positions."""
+        """Point ``keys``/``values`` at the first ``length`` positions of ``buffers``, and
+        keep those as the layer's."""
         views = (buffers[0][:, :, :length], buffers[1][:, :, :length])
-        self._views = views
         self.keys, self.values = views
         self._buffers = buffers
         return views
