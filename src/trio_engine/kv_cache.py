@@ -5,7 +5,7 @@ transformers' ``DynamicCache`` appends each decode step's keys and values with
 1024 tokens are 380 MB of fp32 KV, copied once per step. ``GrowingCache`` keeps each
 layer's keys and values in buffers with room for more positions and writes new ones in
 place; a layer's ``keys`` and ``values`` are views of the filled part, so code written
-for ``DynamicCache`` reads them unchanged. fp32 decode steps of 8 rows ran 1.09x / 1.28x
+for ``DynamicCache`` reads them unchanged. fp32 decode steps of 8 rows ran 1.08x / 1.28-1.30x
 / 1.43-1.45x as fast at 256 / 1024 / 2048 cached tokens (``benchmarks/long_decode.py``).
 The sampler keeps ``DynamicCache`` in bf16 on the CPU (``sampler.kv_cache_class``).
 
