@@ -29,6 +29,18 @@ from transformers.cache_utils import DynamicLayer
 MIN_ROOM = 16  # positions of room a new buffer has at least
 
 
+def _dropping_buffers(name: str) -> property:
+    """A property kept in attribute ``name`` whose assignment lets the layer's buffers go."""
+    def get(layer: GrowingLayer) -> torch.Tensor | None:
+        return getattr(layer, name)
+
+    def set_(layer: GrowingLayer, tensor: torch.Tensor | None) -> None:
+        setattr(layer, name, tensor)
+        layer._buffers = None
+
+    return property(get, set_)
+
+
 class GrowingLayer(DynamicLayer):
     """A full-attention layer's keys and values (B, heads, L, D), kept in buffers of
     (B, heads, capacity, D).
@@ -40,21 +52,8 @@ class GrowingLayer(DynamicLayer):
 
     _buffers: tuple[torch.Tensor, torch.Tensor] | None  # set by the properties (DynamicLayer's __init__)
 
-    @property  # type: ignore[override]
-    def keys(self) -> torch.Tensor | None:
-        return self._keys
-
-    @keys.setter
-    def keys(self, tensor: torch.Tensor | None) -> None:
-        self._keys, self._buffers = tensor, None
-
-    @property  # type: ignore[override]
-    def values(self) -> torch.Tensor | None:
-        return self._values
-
-    @values.setter
-    def values(self, tensor: torch.Tensor | None) -> None:
-        self._values, self._buffers = tensor, None
+    keys = _dropping_buffers("_keys")  # type: ignore[assignment]
+    values = _dropping_buffers("_values")  # type: ignore[assignment]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
