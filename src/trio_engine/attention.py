@@ -72,11 +72,18 @@ def attend(
 _SDPA: tuple[bool, None] = (False, None)
 
 
+def grouped_decodes(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode steps of a model in ``dtype`` on ``device`` take ``grouped`` (given
+    this module installed, no dropout, no softcap): bf16 on the CPU. The sampler picks its
+    KV cache by it (``sampler.kv_cache_class``), so the two cannot drift apart."""
+    return device.type == "cpu" and dtype == torch.bfloat16
+
+
 def _matmul_path(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float,
                  kwargs: dict[str, Any]) -> tuple[bool, torch.Tensor | None]:
     """Whether this call takes ``grouped``, and what that hides from each query."""
-    if not (query.device.type == "cpu" and query.dtype == torch.bfloat16 and not dropout
+    if not (grouped_decodes(query.dtype, query.device) and not dropout
             and kwargs.get("position_bias") is None and kwargs.get("softcap") is None):
         return _SDPA
     batch, heads, length, _ = query.shape
