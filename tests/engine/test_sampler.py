@@ -711,6 +711,35 @@ def test_a_prompt_cached_but_its_last_token_joins_the_next_decode_pass(tiny_host
                                    torch.tensor([s.logprobs for s in w.sequences]), atol=1e-5, rtol=1e-5)
 
 
+def test_stored_kv_is_each_rows_real_tokens_in_memory_of_its_own(tiny_host, fresh):
+    """Two prompts of different lengths share a padded prefill: each entry the prefix cache
+    keeps is its row's real (last) positions, copied out, so the batch's buffers (and
+    their room) are not held by the cache, nor its counted bytes understated."""
+    from trio_engine import DecodeBatch
+    from trio_engine.sampler import PrefixCache, _kv_bytes, _kv_layers
+
+    adapted = fresh()
+    prompts = [list(range(31, 43)), list(range(51, 60))]
+    cache = PrefixCache()
+    batch = DecodeBatch(tiny_host, cache)
+    cfg = SamplingConfig(max_tokens=3, temperature=1.0, seed=5, ignore_eos=True)
+    with torch.no_grad():
+        batch.admit([SampleRequest(adapted, p, 1, cfg) for p in prompts])
+    layers = _kv_layers(batch.cache)
+    batch_storages = {t.untyped_storage().data_ptr() for layer in layers for t in (layer.keys, layer.values)}
+    assert len(cache.entries) == 2
+    for row, ((_, tokens), kv) in enumerate(cache.entries.items()):
+        assert list(tokens) == prompts[row]
+        for layer, (k, v) in zip(layers, kv, strict=True):
+            assert k.shape[1] == v.shape[1] == len(prompts[row])
+            torch.testing.assert_close(k, layer.keys[row][:, -len(prompts[row]):], rtol=0, atol=0)
+            torch.testing.assert_close(v, layer.values[row][:, -len(prompts[row]):], rtol=0, atol=0)
+            assert k.untyped_storage().data_ptr() not in batch_storages
+            assert v.untyped_storage().data_ptr() not in batch_storages
+            assert k.untyped_storage().nbytes() == k.numel() * k.element_size()
+    assert cache.nbytes == sum(_kv_bytes(kv) for kv in cache.entries.values())
+
+
 def test_changed_weights_never_reuse_old_kv(tiny_host, new_id):
     aid = new_id("prefix")
     tiny_host.create_adapter(aid, LoraConfig(rank=2, seed=3))
