@@ -5,11 +5,13 @@ message (~40 tokens); each turn samples 24 tokens. The conversation is played tw
 repeat on the same host: with the prefix cache (``ours``: each turn prefills only what
 the last turn did not compute) and without it (``baseline``: a DecodeBatch with no
 cache prefills the whole prompt). Only the prefill (``ModelHost.admit``) is timed, summed
-over the 8 turns; both plays sample the same tokens (seeded).
+over the 8 turns; both plays sample the same tokens (seeded). ``--context N`` opens the
+conversation with N tokens more (an agent's long instructions: the copies of reused KV
+then show).
 
     RESULT prefix_cache_prefill ours=<prompt tokens/s> baseline=<prompt tokens/s> ratio=...
 
-Run: .venv/bin/python benchmarks/prefix_cache.py [--model trio/tiny-llama] [--repeats 3] [--threads 1]
+Run: .venv/bin/python benchmarks/prefix_cache.py [--model trio/tiny-llama] [--repeats 3] [--threads 1] [--context 2000]
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ TURNS = 8
 USER = "User: here is one more question about the same topic, please answer it briefly and clearly.\nAssistant:"
 
 
-def play(host: ModelHost, cache: PrefixCache | None, user: list[int]) -> tuple[float, int, int]:
+def play(host: ModelHost, cache: PrefixCache | None, user: list[int], opening: list[int]) -> tuple[float, int, int]:
     """(seconds spent prefilling, prompt tokens, prompt tokens reused) over one conversation."""
-    prompt: list[int] = []
+    prompt = list(opening)
     spent, tokens, reused = 0.0, 0, 0
     for turn in range(TURNS):
         prompt = prompt + user
@@ -56,20 +58,23 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--context", type=int, default=0, help="tokens before the first turn")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     host = ModelHost(args.model, dtype=args.dtype)
     user = host.tokenizer.encode(USER)
-    play(host, None, user)  # warm-up
+    opening = (user * (args.context // len(user) + 1))[:args.context]
+    play(host, None, user, opening)  # warm-up
     ours, base = [], []
     for _ in range(args.repeats):
-        spent, tokens, reused = play(host, PrefixCache(), user)  # a fresh cache: nothing from the last repeat
+        spent, tokens, reused = play(host, PrefixCache(), user, opening)  # a fresh cache: nothing from the last repeat
         ours.append(tokens / spent)
-        spent, tokens, _ = play(host, None, user)
+        spent, tokens, _ = play(host, None, user, opening)
         base.append(tokens / spent)
     print(f"# {args.model} {args.dtype}: {TURNS} turns, {tokens} prompt tokens in all, {reused} reused from the cache")
-    result("prefix_cache_prefill", statistics.median(ours), statistics.median(base), unit=" (prompt tokens/s)")
+    name = f"prefix_cache_prefill_context{args.context}" if args.context else "prefix_cache_prefill"
+    result(name, statistics.median(ours), statistics.median(base), unit=" (prompt tokens/s)")
 
 
 if __name__ == "__main__":
