@@ -163,3 +163,25 @@ def test_actor_sigkill_continues_from_last_completed_step(cores):
     train(reference, 3)
     assert logprobs(tc) == pytest.approx(logprobs(reference), abs=1e-6)
     assert logprobs(tc) != pytest.approx(before, abs=1e-4)
+
+
+def test_a_snapshot_wait_does_not_hold_up_the_actors_calls(cores):
+    """``durable`` runs in a concurrency group of its own: while it waits for a write not
+    yet asked for, the actor answers calls, and the optim_step that asks for the write ends
+    the wait. (In the actor's one default group the call would queue behind the wait for
+    good: the timeouts only turn such a hang into a failure.)"""
+    import ray
+
+    on_ray, _ = cores
+    tc = client(on_ray).create_lora_training_client(base_model=MODEL, rank=4, seed=7)
+    engine = on_ray.workers[MODEL].engine
+    _, write = engine.optim_step(tc.model_id, AdamConfig(learning_rate=1e-2))  # no grads: changes nothing
+    engine.durable(write)
+    next_write = dataclasses.replace(write, write=write.write + 1, step=write.step + 1)
+    waiting = engine.actor.durable.remote(next_write)
+    info = ray.get(engine.actor.call.remote("adapter_info", tc.model_id), timeout=120)
+    assert info.step == write.step
+    assert ray.wait([waiting], timeout=0)[0] == []  # still waiting: nothing has asked for that write
+    _, asked = engine.optim_step(tc.model_id, AdamConfig(learning_rate=1e-2))
+    assert asked.write == next_write.write
+    ray.get(waiting, timeout=120)
