@@ -290,8 +290,9 @@ class HostWorker:
                     self.answers.answer(item, result)
                 else:
                     self._part_done(split, result)
-        finally:
-            self._done(batch)
+        except BaseException:
+            self._done(batch)  # whatever raised, none of the batch stays running
+            raise
 
     def _decode(self, admit: list[WorkItem]) -> None:
         """Admit new sample requests, run one decode step, resolve those that finished."""
@@ -316,13 +317,16 @@ class HostWorker:
                 log_outcome(item, result, (time.monotonic() - self.admitted_at.pop(item.request_id)) * 1000)
                 self._done([item])
                 self.answers.answer(item, result)
-        finally:
+        except BaseException:
             self._done(finished)
+            raise
 
     def _done(self, items: list[WorkItem]) -> None:
-        """Take ``items`` out of ``running``: each before it is resolved, so no caller sees a
-        request done yet still running (a test waiting for its next request to run would
-        take the last one's id for it), and all again once their batch ends, whatever raised."""
+        """Take ``items`` out of ``running`` and note their users seen: each before it is
+        resolved, so no caller sees a request done yet still running (a test waiting for its
+        next request to run would take the last one's id for it), and all again if their
+        batch raised. Never after they are resolved: a user noted then would count as
+        sharing the host after its caller saw the request done (``pass_tokens``)."""
         with self.cond:
             self.running.difference_update(i.request_id for i in items)
             self._seen(i.user_id for i in items)

@@ -233,6 +233,34 @@ def test_a_user_alone_runs_a_large_request_in_one_pass(core, sliced_when_shared)
     assert seen == [[(tc.model_id, 6)]]
 
 
+def test_a_user_is_noted_before_its_answer_and_never_after(core, monkeypatch):
+    """The worker notes a user (``seen_at``: who shares the host) when their request is
+    queued or done, before it is answered: noted after, a user whose caller already saw
+    the answer would count as sharing the host with whoever comes next (a later request
+    of another user alone was cut into passes when that happened)."""
+    worker = core._worker(MODEL)
+    tc = trainer(core, "noted", seed=14)
+    events: list[tuple[str, str]] = []
+    real_seen, real_resolve = worker._seen, worker.answers.resolve
+
+    def seen(users):
+        users = list(users)
+        events.extend(("seen", user) for user in users)
+        real_seen(users)
+
+    def resolve(item, result):
+        events.append(("answered", item.user_id))
+        real_resolve(item, result)
+
+    monkeypatch.setattr(worker, "_seen", seen)
+    monkeypatch.setattr(worker.answers, "resolve", resolve)
+    tc.forward_backward([datum()] * 4).result(timeout=120)
+    trainer(core, "next", seed=15).forward([datum()]).result(timeout=120)  # the worker is past the first batch
+    first_answer = events.index(("answered", "noted"))
+    assert ("seen", "noted") in events[:first_answer]
+    assert ("seen", "noted") not in events[first_answer:]
+
+
 def test_slicing_starts_and_stops_with_the_sharing(core, sliced_when_shared, monkeypatch):
     from trio_server import worker as worker_module
 
