@@ -74,8 +74,9 @@ _SDPA: tuple[bool, None] = (False, None)
 
 def grouped_decodes(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether decode steps of a model in ``dtype`` on ``device`` take ``grouped`` (given
-    this module installed, no dropout, no softcap): bf16 on the CPU. The sampler picks its
-    KV cache by it (``sampler.kv_cache_class``), so the two cannot drift apart."""
+    this module installed, no dropout, no softcap or position bias): bf16 on the CPU.
+    The sampler picks its KV cache by it (``sampler.kv_cache_class``), so the two cannot
+    drift apart."""
     return device.type == "cpu" and dtype == torch.bfloat16
 
 

@@ -547,16 +547,19 @@ def _prefill(host: SamplingHost, requests: list[SampleRequest], cache: DynamicCa
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
     with host.routing.use(lora.segments([r.adapter_id for r in requests])):
         out = _trunk(host, ids, mask, positions, cache)
-    return out.last_hidden_state[:, -1], mask
+    # a copy: the view would keep the whole (P, T, H) output alive in the batch, and a
+    # strided input can round the first draw's logits differently from a compact one
+    return out.last_hidden_state[:, -1].clone(), mask
 
 
 def _without_gaps(requests: list[SampleRequest], hits: list[tuple[int, KV | None]]) -> list[tuple[int, KV | None]]:
     """The hits cut so that every row's new tokens fill the prefill's width: a row whose
     new part is shorter than the longest recomputes the end of its hit instead of taking
     padding there (no more work: those columns run either way). Padding between a row's
-    reused KV and its new tokens would be harmless to full attention (positions count real
-    tokens), but a sliding window is measured in cache columns, so the new tokens would
-    lose sight of reused ones inside their window (0.2-0.4 nats on Mistral and Qwen2)."""
+    reused KV and its new tokens would break two things: a sliding window is measured in
+    cache columns, so the new tokens would lose sight of reused ones inside their window
+    (0.2-0.4 nats on Mistral and Qwen2), and ``_row_kv`` stores a row's last positions as
+    its real ones (rows are padded on the left only)."""
     if not hits:
         return hits
     width = max(len(r.prompt) - n for r, (n, _) in zip(requests, hits))
@@ -580,7 +583,7 @@ def _fill_reused(cache: DynamicCache, hits: list[tuple[int, KV | None]], device:
 
 
 def _stack(rows: list[torch.Tensor]) -> torch.Tensor:
-    """``rows`` (each (1, ...)) as one batch; a lone row as it is (the cache copies it anyway:
+    """``rows`` (each (1, ...)) concatenated into one batch; a lone row as it is (the cache copies it anyway:
     at a few thousand cached tokens each copy of a conversation's KV costs milliseconds)."""
     return rows[0] if len(rows) == 1 else torch.cat(rows)
 

@@ -737,6 +737,7 @@ def test_stored_kv_is_each_rows_real_tokens_in_memory_of_its_own(tiny_host, fres
             assert k.untyped_storage().data_ptr() not in batch_storages
             assert v.untyped_storage().data_ptr() not in batch_storages
             assert k.untyped_storage().nbytes() == k.numel() * k.element_size()
+            assert v.untyped_storage().nbytes() == v.numel() * v.element_size()
     assert cache.nbytes == sum(_kv_bytes(kv) for kv in cache.entries.values())
 
 
