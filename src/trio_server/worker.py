@@ -275,24 +275,20 @@ class HostWorker:
             self._offload_runs()
 
     def _run_batch(self, batch: list[WorkItem]) -> None:
-        try:
-            results = self._execute(batch)
-            with self.cond:
-                self.durations.record(batch[0].op, time.monotonic() - self.batch_started)
-            for item in batch:
-                run_id = item.run_id or item.context.get("run_id")  # create_model names its run here
-                if run_id is not None:
-                    self.last_used[run_id] = time.monotonic()
-            for item, result in zip(batch, results):
-                self._done([item])  # out of ``running`` before its caller can see it resolved
-                split = split_of(item)
-                if split is None:
-                    self.answers.answer(item, result)
-                else:
-                    self._part_done(split, result)
-        except BaseException:
-            self._done(batch)  # whatever raised, none of the batch stays running
-            raise
+        results = self._execute(batch)
+        with self.cond:
+            self.durations.record(batch[0].op, time.monotonic() - self.batch_started)
+        for item in batch:
+            run_id = item.run_id or item.context.get("run_id")  # create_model names its run here
+            if run_id is not None:
+                self.last_used[run_id] = time.monotonic()
+        for item, result in zip(batch, results):
+            self._done(item)  # out of ``running`` before its caller can see it resolved
+            split = split_of(item)
+            if split is None:
+                self.answers.answer(item, result)
+            else:
+                self._part_done(split, result)
 
     def _decode(self, admit: list[WorkItem]) -> None:
         """Admit new sample requests, run one decode step, resolve those that finished."""
@@ -311,25 +307,23 @@ class HostWorker:
         with self.cond:  # a queued sample waits about one step to join (queueing.py)
             self.durations.record("sample", time.monotonic() - started)
         finished = [self.decoding.pop(rid) for rid in results if rid in self.decoding]
-        try:
-            for item in finished:
-                result = results[item.request_id]
-                log_outcome(item, result, (time.monotonic() - self.admitted_at.pop(item.request_id)) * 1000)
-                self._done([item])
-                self.answers.answer(item, result)
-        except BaseException:
-            self._done(finished)
-            raise
+        for item in finished:
+            result = results[item.request_id]
+            log_outcome(item, result, (time.monotonic() - self.admitted_at.pop(item.request_id)) * 1000)
+            self._done(item)
+            self.answers.answer(item, result)
 
-    def _done(self, items: list[WorkItem]) -> None:
-        """Take ``items`` out of ``running`` and note their users seen: each before it is
-        resolved, so no caller sees a request done yet still running (a test waiting for its
-        next request to run would take the last one's id for it), and all again if their
-        batch raised. Never after they are resolved: a user noted then would count as
-        sharing the host after its caller saw the request done (``pass_tokens``)."""
+    def _done(self, item: WorkItem) -> None:
+        """Take ``item`` out of ``running`` and note its user seen, before it is resolved: no
+        caller sees a request done yet still running (a test waiting for its next request to
+        run would take the last one's id for it). Never after: a user noted then would count
+        as sharing the host after its caller saw the request done (``pass_tokens``).
+
+        Nothing raises past ``_execute`` and ``decode``'s catch but a bug in answering, which
+        ends the worker's thread: what it leaves in ``running`` is moot then."""
         with self.cond:
-            self.running.difference_update(i.request_id for i in items)
-            self._seen(i.user_id for i in items)
+            self.running.discard(item.request_id)
+            self._seen([item.user_id])
 
     def _part_done(self, split: Split, result: Result) -> None:
         """Queue the request's next part, or resolve the request: all parts done, or one failed."""

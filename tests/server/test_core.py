@@ -580,7 +580,7 @@ def test_the_pass_budget_is_short_only_while_the_host_is_shared():
     worker.max_pass_tokens = None
     assert worker.pass_tokens() is None  # never split
     worker.seen_at["a"] -= worker_module.SHARING_SECONDS + 1
-    worker._done([SimpleNamespace(request_id="r", user_id="c")])  # type: ignore[list-item]
+    worker._done(SimpleNamespace(request_id="r", user_id="c"))  # type: ignore[arg-type]
     assert worker.seen_at.keys() == {"c"}  # a user gone is forgotten, whatever the budget
 
 
