@@ -130,8 +130,8 @@ def serve(args: argparse.Namespace) -> None:
     # (trio_engine.device.keep_freed_memory, the default of one user's training process), the
     # soak server's RSS grew 17.6% in 10 minutes and was still climbing; keeping none, each
     # 8 x 128 step of the bundled model page-faulted its activations in again (1.33x its time).
-    # Up to 512 MiB kept: +2.7% and flat, and the step as fast as keeping all (benchmarks/soak.py,
-    # overhead.py). The operator's own setting wins.
+    # Up to 512 MiB kept, looked at every 30 s (device.TRIM_CHECK_SECONDS): +8.7%, and the step
+    # as fast as keeping all (benchmarks/soak.py, overhead.py). The operator's own setting wins.
     os.environ.setdefault(KEEP_FREED_ENV, SERVER_KEEPS_FREED)
     try:
         kept_freed_bytes(os.environ[KEEP_FREED_ENV])
