@@ -194,7 +194,8 @@ def keep_freed_memory() -> bool:
     (880 MB) per step of 8 x 128 tokens of the bundled model, fp32; with this, none, and the
     step was 15% faster (one process, interleaved). The cost: the process keeps its peak,
     and a long-running server's heap fragments, so what it holds creeps up; with a bound a
-    thread (``FreedMemoryTrimmer``) gives the free pages back whenever they exceed it.
+    thread (``FreedMemoryTrimmer``) gives the free pages back when, at one of its looks
+    (every ``TRIM_CHECK_SECONDS``), they exceed it.
     PyTorch's CPU guides suggest preloading jemalloc or tcmalloc for the same reason; this
     needs nothing preloaded. A no-op off glibc.
     """
