@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from trio_engine import TINY_LLAMA, attention
 from trio_engine.catalog import Catalog, load_model_and_tokenizer
@@ -143,6 +144,40 @@ def test_attend_leaves_every_other_call_to_sdpa(case, grouped_calls, monkeypatch
         k, v = k[:, :, :3], v[:, :, :3]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ["left padding", "after a cached prefix"])
+def test_a_masked_pass_of_several_queries_gives_sdpa_the_groups_unrepeated(shape, dtype, monkeypatch):
+    """transformers repeats keys and values under a mask; attend hands SDPA the grouped
+    heads as they are, with the same results to the bit (transformers' own path is the
+    reference)."""
+    q, k, v = (t.detach() for t in _qkv(dtype, length=7, q_length=7 if shape == "left padding" else 3))
+    allowed = torch.arange(q.shape[2])[:, None] + (7 - q.shape[2]) >= torch.arange(7)[None, :]  # causal
+    mask = allowed.expand(2, 1, q.shape[2], 7).clone()
+    if shape == "left padding":
+        mask[0, ..., :3] = False
+        mask[0, :, :3, 0] = True  # transformers lets a padding query see one key (no NaN rows)
+    want = sdpa_attention_forward(_causal_module(), q, k, v, mask, scaling=0.3)[0]
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        seen.append((key.shape[1], kwargs.get("enable_gqa")))
+        return real(query, key, value, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    out, _ = attention.attend(_causal_module(), q, k, v, mask, scaling=0.3)
+    assert seen == [(2, True)]  # two key/value heads, not six
+    assert torch.equal(out, want)
+
+
+def test_a_masked_pass_with_dropout_drops():
+    q, k, v = (t.detach() for t in _qkv(torch.float32))
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    plain, _ = attention.attend(_causal_module(), q, k, v, mask, scaling=0.3)
+    dropped, _ = attention.attend(_causal_module(), q, k, v, mask, dropout=0.5, scaling=0.3)
+    assert not torch.allclose(plain, dropped)
 
 
 @pytest.mark.parametrize("case", ["position bias", "dropout", "not on the cpu"])
