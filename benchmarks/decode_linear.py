@@ -3,10 +3,11 @@
 For each linear shape of the bundled model and a few row counts (the rows of one decode
 step), 30 distinct weights are multiplied in turn, so they come from memory as in a real
 step and not from cache. Both forms run interleaved in one process. Which one the engine
-takes on this CPU is measured once per process (``lora.weight_major_pays``, printed).
+takes on this CPU is measured once per process for each shape and band of row counts
+(``lora.weight_major_pays``): its decisions are printed, the gains it measured logged.
 
     RESULT decode_linear_<out>x<in>_rows<r> ours=<products/s as W x^T> baseline=<products/s as x W^T> ratio=...
-    FORM weight_major_gain=<W x^T's speed-up at 2 and 8 rows> engine_takes=<W x^T | x W^T>
+    FORM <out>x<in> engine_takes_weight_major_at_rows=<the bands of rows where it takes W x^T>
 
 Run: .venv/bin/python benchmarks/decode_linear.py [--repeats 9]
 """
@@ -14,6 +15,7 @@ Run: .venv/bin/python benchmarks/decode_linear.py [--repeats 9]
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 from common import bundled_folder, result, timed_pair
@@ -45,14 +47,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="# %(message)s")  # the engine's measured gains
     for out_f, in_f in shapes():
         count = LAYERS if out_f * in_f < 10**7 else 2  # the head: two copies outgrow any cache
         layers = [torch.nn.Linear(in_f, out_f, bias=False) for _ in range(count)]
         for rows in map(int, args.rows.split(",")):
             ours_s, base_s = compare(layers, rows, args.repeats)
             result(f"decode_linear_{out_f}x{in_f}_rows{rows}", count / ours_s, count / base_s, unit=" (products/s)")
-    print(f"FORM weight_major_gain={lora.weight_major_gain():.2f} "
-          f"engine_takes={'W x^T' if lora.weight_major_pays() else 'x W^T'}", flush=True)
+        with torch.no_grad():
+            bands = [band for band in lora.FEW_ROW_BANDS if lora.weight_major_pays(layers[0].weight, band)]
+        print(f"FORM {out_f}x{in_f} engine_takes_weight_major_at_rows={','.join(map(str, bands)) or 'none'}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -267,67 +267,77 @@ class SiblingGroup:
 
 
 # Decode-sized inference products (a few rows) in fp32 on the CPU: which of x Wᵀ (the
-# usual form) and W xᵀ is faster depends on the CPU's BLAS kernels for skinny products
-# (benchmarks/decode_linear.py, the bundled model's shapes, weights not in cache):
+# usual form) and W xᵀ is faster depends on the CPU's BLAS kernels for skinny products,
+# on the weight's shape and on the number of rows (benchmarks/decode_linear.py, the
+# bundled model's shapes):
 # - on an AVX2 machine (this project's, through session 17), BLAS multiplied one row by Wᵀ
 #   on one thread and 2-16 rows at a third of its speed, while W xᵀ ran near memory speed:
 #   a 1536x576 linear 2.0x / 3.9x / 1.8x faster for 1 / 2 / 8 rows, the 49152x576 head
 #   2.7x / 6.2x for 1 / 2, still 1.1-1.4x at 64 rows (k/v at one row the one loss, 0.55x);
-# - on an AVX-512 machine (from session 18) x Wᵀ was the faster form: W xᵀ ran 1536x576 at
-#   0.32x / 0.39x / 0.67x for 1 / 2 / 8 rows and about even at 16-64, and fp32 sampling
-#   took 2.0x (one sequence) and 1.21x (8 x 64) longer with it.
-# So the first few-row fp32 product of a process measures both forms
-# (``weight_major_pays``) and W xᵀ is taken only where it won clearly. bf16 keeps x Wᵀ,
-# its faster form for up to 16 rows on both machines.
-WEIGHT_MAJOR_MAX_ROWS = 64
-WEIGHT_MAJOR_MIN_GAIN = 1.25  # W xᵀ must be this much faster at 2 and at 8 rows to be taken
+# - on an AVX-512 machine (from session 18) x Wᵀ was the faster form at 1-8 rows (W xᵀ
+#   ran 1536x576 at 0.32x / 0.39x / 0.67x for 1 / 2 / 8 rows), but not everywhere: the
+#   576x1536 down projection ran 1.7-2x as fast as W xᵀ at 16-32 rows, where one decision
+#   for every shape (measured on 1536x576 at 2 and 8 rows) kept x Wᵀ.
+# So the form is measured once per process for each weight shape and band of row counts
+# (``weight_major_pays``), the first time a product of that shape and band runs, and W xᵀ
+# is taken only where it won clearly: 1.5x. Smaller gains measured alone did not hold in
+# the model: on B, q/o and gate/up measured 1.2-1.4x at 16-32 rows, and taking them with
+# the down projection made a 24-row prefill of the bundled model 100 ms against 98 ms
+# without any; the down projection alone, 97 against 102 ms (interleaved medians).
+# bf16 keeps x Wᵀ, its faster form for up to 16 rows on both machines.
+FEW_ROW_BANDS = (1, 2, 8, 16, 32, 64)  # a product of r rows takes the form measured at the first band >= r
+WEIGHT_MAJOR_MAX_ROWS = FEW_ROW_BANDS[-1]
+WEIGHT_MAJOR_MIN_GAIN = 1.5  # W xᵀ must be this much faster to be taken (see above)
 FEW_ROW_FORM_ENV = "TRIO_FEW_ROW_FORM"  # "weight_major" or "usual": decide without measuring
+FORM_PROBE_BYTES = 64 << 20  # weights a measurement multiplies in turn, so they come from memory
 _few_row_form_lock = threading.Lock()
-_weight_major_pays: bool | None = None
+_few_row_forms: dict[tuple[int, int, int], bool] = {}  # (out, in, band) -> W xᵀ taken
 
 
 def weight_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x``'s product with ``weight`` runs faster as W x^T (see above)."""
     rows = x.numel() // x.shape[-1]
     return (not torch.is_grad_enabled() and weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and rows <= WEIGHT_MAJOR_MAX_ROWS and weight_major_pays())
+            and rows <= WEIGHT_MAJOR_MAX_ROWS and weight_major_pays(weight, rows))
 
 
-def weight_major_pays() -> bool:
-    """Whether W x^T beats x W^T on this CPU, measured once per process (about 0.1 s) on
-    decode-sized products of weights read from memory; ``$TRIO_FEW_ROW_FORM`` decides
-    instead when set."""
-    global _weight_major_pays
-    if _weight_major_pays is not None:  # decided: no lock on the decode path's every product
-        return _weight_major_pays
+def weight_major_pays(weight: torch.Tensor, rows: int) -> bool:
+    """Whether W x^T beats x W^T on this CPU for ``weight``'s shape at ``rows`` rows, measured
+    once per process for each shape and band of rows (``FEW_ROW_BANDS``); ``$TRIO_FEW_ROW_FORM``
+    decides instead when set."""
+    band = next(b for b in FEW_ROW_BANDS if rows <= b)
+    key = (weight.shape[0], weight.shape[1], band)
+    decided = _few_row_forms.get(key)
+    if decided is not None:  # no lock on the decode path's every product
+        return decided
     with _few_row_form_lock:
-        if _weight_major_pays is None:
+        if key not in _few_row_forms:
             forced = os.environ.get(FEW_ROW_FORM_ENV)
             if forced not in (None, "", "weight_major", "usual"):
                 raise ValueError(f"{FEW_ROW_FORM_ENV}: {forced!r} is not 'weight_major' or 'usual'")
-            gain = None if forced else weight_major_gain()
-            _weight_major_pays = forced == "weight_major" or (gain is not None and gain >= WEIGHT_MAJOR_MIN_GAIN)
-            log.info("few-row fp32 products take the %s form (%s)", "W x^T" if _weight_major_pays else "x W^T",
-                     f"${FEW_ROW_FORM_ENV}" if forced else f"W x^T {gain:.2f}x as fast at 2 and 8 rows")
-        return _weight_major_pays
+            gain = None if forced else weight_major_gain(weight, band)
+            _few_row_forms[key] = forced == "weight_major" or (gain is not None and gain >= WEIGHT_MAJOR_MIN_GAIN)
+            log.info("fp32 products of %d x %d weights by up to %d rows take the %s form (%s)", *key,
+                     "W x^T" if _few_row_forms[key] else "x W^T",
+                     f"${FEW_ROW_FORM_ENV}" if forced else f"W x^T {gain:.2f}x as fast")
+        return _few_row_forms[key]
 
 
-def weight_major_gain(rows: Sequence[int] = (2, 8), repeats: int = 5) -> float:
-    """The smaller, over ``rows``, of x W^T's time ÷ W x^T's on 16 weights of 1536 x 576
-    (56 MB, more than a cache holds, so each product reads its weight from memory as a
-    decode step does); medians of interleaved timings."""
-    generator = torch.Generator().manual_seed(0)
-    weights = [torch.rand(1536, 576, generator=generator) for _ in range(16)]
-    gains = []
+def weight_major_gain(weight: torch.Tensor, rows: int, repeats: int = 5) -> float:
+    """x W^T's time ÷ W x^T's for products of ``rows`` rows by copies of ``weight`` (about
+    ``FORM_PROBE_BYTES`` of them, at most 64, more than a core's own caches hold, so that
+    each product reads its weight from farther away as a decode step does; a larger weight
+    is cut to its first rows); medians of interleaved timings, about 0.1 s."""
+    count = max(1, FORM_PROBE_BYTES // (weight.numel() * weight.element_size()))
+    keep = min(weight.shape[0], max(1, FORM_PROBE_BYTES // (weight.shape[1] * weight.element_size())))
     with torch.no_grad():
-        for n in rows:
-            x = torch.rand(n, 576, generator=generator)
-            usual, major = [], []
-            for _ in range(repeats):
-                usual.append(_seconds(nn.functional.linear, weights, x))
-                major.append(_seconds(weight_major_product, weights, x))
-            gains.append(statistics.median(usual) / statistics.median(major))
-    return min(gains)
+        weights = [weight.detach()[:keep].clone() for _ in range(min(count, 64))]
+        x = torch.ones(rows, weight.shape[1])  # a product takes the same time whatever its values
+        usual, major = [], []
+        for _ in range(repeats):
+            usual.append(_seconds(nn.functional.linear, weights, x))
+            major.append(_seconds(weight_major_product, weights, x))
+    return statistics.median(usual) / statistics.median(major)
 
 
 def _seconds(product: Callable[..., torch.Tensor], weights: list[torch.Tensor], x: torch.Tensor) -> float:

@@ -37,7 +37,13 @@ def test_lora_linear_matches_formula():
 @pytest.fixture
 def weight_major_pays(monkeypatch):
     """This process's few-row fp32 products take W x^T, whatever this CPU measured."""
-    monkeypatch.setattr(lora, "_weight_major_pays", True)
+    monkeypatch.setattr(lora, "weight_major_pays", lambda weight, rows: True)
+
+
+@pytest.fixture
+def no_forms_decided(monkeypatch):
+    monkeypatch.setattr(lora, "_few_row_forms", {})
+    monkeypatch.delenv(lora.FEW_ROW_FORM_ENV, raising=False)
 
 
 @pytest.mark.parametrize("shape", [(1, 12), (1, 1, 12), (2, 12), (5, 1, 12), (2, 3, 12), (WEIGHT_MAJOR_MAX_ROWS, 12)])
@@ -75,72 +81,98 @@ def test_only_few_row_fp32_cpu_inference_takes_the_weight_major_form(weight_majo
 
 
 def test_a_cpu_where_the_weight_major_form_does_not_pay_keeps_the_usual_one(monkeypatch):
-    monkeypatch.setattr(lora, "_weight_major_pays", False)
+    monkeypatch.setattr(lora, "weight_major_pays", lambda weight, rows: False)
     with torch.no_grad():
         assert not weight_major(torch.zeros(2, 12), torch.zeros(7, 12))
         product = base_product(nn.Linear(12, 7), torch.zeros(2, 12))
     assert product.is_contiguous()  # nn.Linear's own layout
 
 
-@pytest.mark.parametrize("gain, pays", [(1.3, True), (1.25, True), (1.2, False), (0.45, False)])
-def test_the_form_is_measured_once_and_taken_only_on_a_clear_gain(monkeypatch, gain, pays):
+@pytest.mark.parametrize("gain, pays", [(1.6, True), (1.5, True), (1.45, False), (0.45, False)])
+def test_the_form_is_measured_once_and_taken_only_on_a_clear_gain(no_forms_decided, monkeypatch, gain, pays):
     measured = []
-    monkeypatch.delenv(lora.FEW_ROW_FORM_ENV, raising=False)
-    monkeypatch.setattr(lora, "_weight_major_pays", None)
-    monkeypatch.setattr(lora, "weight_major_gain", lambda: measured.append(1) or gain)
-    assert lora.weight_major_pays() is pays and lora.weight_major_pays() is pays
-    assert measured == [1]
+    monkeypatch.setattr(lora, "weight_major_gain", lambda weight, rows: measured.append(rows) or gain)
+    weight = torch.zeros(7, 12)
+    assert lora.weight_major_pays(weight, 5) is pays and lora.weight_major_pays(weight, 5) is pays
+    assert measured == [8]
+
+
+def test_each_weight_shape_and_band_of_rows_has_a_form_of_its_own(no_forms_decided, monkeypatch):
+    """A product of r rows takes the form measured at the first band >= r rows."""
+    measured = []
+    gains = {((7, 12), 1): 2.0, ((7, 12), 8): 1.0, ((7, 12), 32): 1.5, ((7, 5), 8): 1.5}
+
+    def gain(weight, rows):
+        measured.append((tuple(weight.shape), rows))
+        return gains.get((tuple(weight.shape), rows), 1.0)
+
+    monkeypatch.setattr(lora, "weight_major_gain", gain)
+    wide, narrow = torch.zeros(7, 12), torch.zeros(7, 5)  # the same rows, not the same shape
+    with torch.no_grad():
+        takes = {rows: weight_major(torch.zeros(rows, 12), wide) for rows in (1, 2, 3, 8, 9, 16, 17, 32, 33, 64)}
+        assert weight_major(torch.zeros(4, 5), narrow)
+    assert takes == {1: True, 2: False, 3: False, 8: False, 9: False, 16: False, 17: True, 32: True,
+                     33: False, 64: False}
+    assert measured == [((7, 12), 1), ((7, 12), 2), ((7, 12), 8), ((7, 12), 16), ((7, 12), 32), ((7, 12), 64),
+                        ((7, 5), 8)]
+    assert lora.FEW_ROW_BANDS[-1] == WEIGHT_MAJOR_MAX_ROWS
 
 
 @pytest.mark.parametrize("form, pays", [("weight_major", True), ("usual", False)])
-def test_the_environment_decides_the_form_without_measuring(monkeypatch, form, pays):
+def test_the_environment_decides_the_form_without_measuring(no_forms_decided, monkeypatch, form, pays):
     monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, form)
-    monkeypatch.setattr(lora, "_weight_major_pays", None)
-    monkeypatch.setattr(lora, "weight_major_gain", lambda: pytest.fail("measured although the environment decides"))
-    assert lora.weight_major_pays() is pays
+    monkeypatch.setattr(lora, "weight_major_gain", lambda *a: pytest.fail("measured although the environment decides"))
+    assert lora.weight_major_pays(torch.zeros(7, 12), 2) is pays
 
 
-def test_an_empty_form_in_the_environment_measures(monkeypatch):
+def test_an_empty_form_in_the_environment_measures(no_forms_decided, monkeypatch):
     monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, "")
-    monkeypatch.setattr(lora, "_weight_major_pays", None)
-    monkeypatch.setattr(lora, "weight_major_gain", lambda: 2.0)
-    assert lora.weight_major_pays() is True
+    monkeypatch.setattr(lora, "weight_major_gain", lambda weight, rows: 2.0)
+    assert lora.weight_major_pays(torch.zeros(7, 12), 2) is True
 
 
-def test_a_bad_form_in_the_environment_names_the_variable(monkeypatch):
+def test_a_bad_form_in_the_environment_names_the_variable(no_forms_decided, monkeypatch):
     monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, "fast")
-    monkeypatch.setattr(lora, "_weight_major_pays", None)
     with pytest.raises(ValueError, match="TRIO_FEW_ROW_FORM.*'fast'"):
-        lora.weight_major_pays()
+        lora.weight_major_pays(torch.zeros(7, 12), 2)
 
 
 def test_the_measured_gain_is_a_ratio_of_two_timings():
-    gain = lora.weight_major_gain(rows=(2,), repeats=1)
+    gain = lora.weight_major_gain(torch.randn(7, 12), 2, repeats=1)
     assert 0 < gain < float("inf")
 
 
-def test_the_gain_is_the_smaller_over_row_counts_of_the_usual_forms_time_over_the_other(monkeypatch):
-    """With the timings given (no clock involved): the measurement's shapes, its repeats
-    (medians), and the ratio."""
+def test_the_gain_is_the_usual_forms_median_time_over_the_others(monkeypatch):
+    """With the timings given (no clock involved): the weights and rows measured, its
+    repeats (medians, interleaved), and the ratio."""
     calls = []
-    times = {(2, "usual"): [0.30, 0.90, 0.31], (2, "major"): [0.10, 0.10, 0.50],   # medians 0.31 / 0.10
-             (8, "usual"): [0.40, 0.40, 0.40], (8, "major"): [0.20, 0.25, 0.20]}   # 0.40 / 0.20
+    times = {"usual": [0.30, 0.90, 0.31], "major": [0.10, 0.10, 0.50]}  # medians 0.31 / 0.10
+    weight = torch.randn(1536, 576)
 
     def seconds(product, weights, x):
         form = "usual" if product is torch.nn.functional.linear else "major"
         assert product in (torch.nn.functional.linear, lora.weight_major_product)
-        assert len(weights) == 16 and all(w.shape == (1536, 576) for w in weights)  # more than a cache holds
+        assert len(weights) == 18 and all(torch.equal(w, weight) and w is not weight for w in weights)  # 64 MiB
         calls.append((x.shape, form))
-        return times[(x.shape[0], form)][sum(1 for shape, f in calls if f == form and shape == x.shape) - 1]
+        return times[form][sum(1 for _, f in calls if f == form) - 1]
 
     monkeypatch.setattr(lora, "_seconds", seconds)
-    assert lora.weight_major_gain(rows=(2, 8), repeats=3) == pytest.approx(2.0)  # min(3.1, 2.0)
-    assert [shape for shape, _ in calls] == [(2, 576)] * 6 + [(8, 576)] * 6
-    assert [form for _, form in calls] == ["usual", "major"] * 6  # interleaved
+    assert lora.weight_major_gain(weight, 8, repeats=3) == pytest.approx(3.1)
+    assert calls == [((8, 576), "usual"), ((8, 576), "major")] * 3
     calls.clear()
     monkeypatch.setattr(lora, "_seconds", lambda product, weights, x: calls.append(x.shape) or 1.0)
-    lora.weight_major_gain()
-    assert calls == [(2, 576)] * 10 + [(8, 576)] * 10  # by default 2 and 8 rows, 5 repeats of each form
+    lora.weight_major_gain(weight, 2)
+    assert calls == [(2, 576)] * 10  # by default 5 repeats of each form
+
+
+@pytest.mark.parametrize("shape, copies, rows", [((7, 12), 64, 7), ((4096, 4096), 1, 4096), ((40000, 1024), 1, 16384)])
+def test_the_measurement_reads_about_64_mib_of_copies_of_the_weight(monkeypatch, shape, copies, rows):
+    """Small weights are copied up to 64 times; one past 64 MiB is cut to its first rows."""
+    seen = []
+    monkeypatch.setattr(lora, "_seconds", lambda product, weights, x: seen.append(weights) or 1.0)
+    weight = torch.empty(shape)
+    lora.weight_major_gain(weight, 2, repeats=1)
+    assert [len(w) for w in seen] == [copies] * 2 and all(w.shape == (rows, shape[1]) for w in seen[0])
 
 
 def test_a_product_is_timed_from_its_start(monkeypatch):
