@@ -280,16 +280,18 @@ class SiblingGroup:
 #   for every shape (measured on 1536x576 at 2 and 8 rows) kept x Wᵀ.
 # So the form is measured once per process for each weight shape and band of row counts
 # (``weight_major_pays``), the first time a product of that shape and band runs, and W xᵀ
-# is taken only where it won clearly: 1.5x. Smaller gains measured alone did not hold in
-# the model: on B, q/o and gate/up measured 1.2-1.4x at 16-32 rows, and taking them with
+# is taken only where it won clearly: 1.6x. Smaller gains measured alone did not hold in
+# the model: on B, q/o and gate/up measured 1.2-1.5x at 16-32 rows, and taking them with
 # the down projection made a 24-row prefill of the bundled model 100 ms against 98 ms
-# without any; the down projection alone, 97 against 102 ms (interleaved medians).
+# without any; the down projection alone (1.9-2.2x), 97 against 102 ms (interleaved
+# medians). A bar between the two also keeps a shape from changing form from one process
+# to the next: gate/up at 32 rows measured 1.38x and 1.54x in two processes.
 # bf16 keeps x Wᵀ, its faster form for up to 16 rows on both machines.
 FEW_ROW_BANDS = (1, 2, 8, 16, 32, 64)  # a product of r rows takes the form measured at the first band >= r
 WEIGHT_MAJOR_MAX_ROWS = FEW_ROW_BANDS[-1]
-WEIGHT_MAJOR_MIN_GAIN = 1.5  # W xᵀ must be this much faster to be taken (see above)
+WEIGHT_MAJOR_MIN_GAIN = 1.6  # W xᵀ must be this much faster to be taken (see above)
 FEW_ROW_FORM_ENV = "TRIO_FEW_ROW_FORM"  # "weight_major" or "usual": decide without measuring
-FORM_PROBE_BYTES = 64 << 20  # weights a measurement multiplies in turn, so they come from memory
+FORM_PROBE_BYTES = 16 << 20  # weights a measurement multiplies in turn: more than a core's own caches
 _few_row_form_lock = threading.Lock()
 _few_row_forms: dict[tuple[int, int, int], bool] = {}  # (out, in, band) -> W xᵀ taken
 
@@ -327,7 +329,8 @@ def weight_major_gain(weight: torch.Tensor, rows: int, repeats: int = 5) -> floa
     """x W^T's time ÷ W x^T's for products of ``rows`` rows by copies of ``weight`` (about
     ``FORM_PROBE_BYTES`` of them, at most 64, more than a core's own caches hold, so that
     each product reads its weight from farther away as a decode step does; a larger weight
-    is cut to its first rows); medians of interleaved timings, about 0.1 s."""
+    is cut to its first rows); medians of interleaved timings, about 20 ms on the bundled
+    model's shapes (64 MiB took 85 ms and decided the same)."""
     count = max(1, FORM_PROBE_BYTES // (weight.numel() * weight.element_size()))
     keep = min(weight.shape[0], max(1, FORM_PROBE_BYTES // (weight.shape[1] * weight.element_size())))
     with torch.no_grad():
