@@ -284,8 +284,10 @@ class SiblingGroup:
 # the model: on B, q/o and gate/up measured 1.2-1.5x at 16-32 rows, and taking them with
 # the down projection made a 24-row prefill of the bundled model 100 ms against 98 ms
 # without any; the down projection alone (1.9-2.2x), 97 against 102 ms (interleaved
-# medians). A bar between the two also keeps a shape from changing form from one process
-# to the next: gate/up at 32 rows measured 1.38x and 1.54x in two processes.
+# medians). A bar between the two also makes a shape less likely to change form from one
+# process to the next (gate/up at 32 rows measured 1.38x and 1.54x in two processes). It
+# still can where a gain sits near the bar, as the head's does at 16 rows, measured on its
+# first rows (below): either form is then about as fast in the model.
 # bf16 keeps x Wᵀ, its faster form for up to 16 rows on both machines.
 FEW_ROW_BANDS = (1, 2, 8, 16, 32, 64)  # a product of r rows takes the form measured at the first band >= r
 WEIGHT_MAJOR_MAX_ROWS = FEW_ROW_BANDS[-1]
