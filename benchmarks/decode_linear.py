@@ -1,10 +1,12 @@
 """Decode-sized linear products: W x^T (``lora.weight_major_product``) vs ``nn.Linear``'s x W^T.
 
 For each linear shape of the bundled model and a few row counts (the rows of one decode
-step), 30 distinct weights are multiplied in turn, so they come from memory as in a real
-step and not from cache. Both forms run interleaved in one process. Which one the engine
-takes on this CPU is measured once per process for each shape and band of row counts
-(``lora.weight_major_pays``): its decisions are printed, the gains it measured logged.
+step), 30 distinct weights are multiplied in turn, so they come from beyond a core's own
+caches as in a real step (machine B's shared 300 MiB L3 holds all but the head's, and
+the model's 425 MB do not fit it: the gains shown held in the model for the down
+projection, not for gate/up or q/o). Both forms run interleaved in one process. Which
+one the engine takes on this CPU is measured once per process for each shape and band of
+row counts (``lora.weight_major_pays``): its decisions are printed, its gains logged.
 
     RESULT decode_linear_<out>x<in>_rows<r> ours=<products/s as W x^T> baseline=<products/s as x W^T> ratio=...
     FORM <out>x<in> engine_takes_weight_major_at_rows=<the bands of rows where it takes W x^T>
@@ -23,7 +25,7 @@ from transformers import AutoConfig
 
 from trio_engine import lora
 
-LAYERS = 30  # distinct weights per shape: more than the last-level cache holds
+LAYERS = 30  # distinct weights per shape: more than a core's own caches hold
 
 
 def shapes() -> list[tuple[int, int]]:
