@@ -67,11 +67,11 @@ def attend(
     """transformers' attention signature: (batch, heads, length, dim) in, (batch, length,
     heads, dim) out."""
     takes, hidden = _matmul_path(module, query, key, attention_mask, dropout, kwargs)
-    if not takes and _sdpa_takes_groups(query, key, attention_mask, kwargs):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
     if not takes:
+        if _sdpa_takes_groups(query, key, attention_mask, kwargs):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -120,8 +120,8 @@ def _sdpa_takes_groups(query: torch.Tensor, key: torch.Tensor, attention_mask: t
     copies were half the attention's time where the sampler passes a mask: 24 queries over
     324 keys of the bundled model (a turn after a cached prefix), 572 µs a layer with the
     copies against 272 µs without; a whole 24-token turn, 3% faster after 300 cached
-    tokens and 13% after 1,500 (interleaved medians). One query (a decode step) is left to transformers,
-    which folds the groups into the query instead."""
+    tokens and 13% after 1,500 (interleaved medians). One query (a decode step) is left
+    to transformers, which folds the groups into the query instead."""
     return (query.device.type == "cpu" and attention_mask is not None and query.shape[2] > 1
             and query.shape[1] != key.shape[1]
             and kwargs.get("position_bias") is None and kwargs.get("softcap") is None)

@@ -21,6 +21,7 @@ initial values are drawn on the CPU, so a seed gives the same adapter on every d
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import math
@@ -309,7 +310,7 @@ def weight_major_pays(weight: torch.Tensor, rows: int) -> bool:
     """Whether W x^T beats x W^T on this CPU for ``weight``'s shape at ``rows`` rows, measured
     once per process for each shape and band of rows (``FEW_ROW_BANDS``); ``$TRIO_FEW_ROW_FORM``
     decides instead when set."""
-    band = next(b for b in FEW_ROW_BANDS if rows <= b)
+    band = FEW_ROW_BANDS[bisect.bisect_left(FEW_ROW_BANDS, rows)]  # the first band >= rows
     key = (weight.shape[0], weight.shape[1], band)
     decided = _few_row_forms.get(key)
     if decided is not None:  # no lock on the decode path's every product
