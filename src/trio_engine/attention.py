@@ -25,10 +25,21 @@ Every masked pass of several queries on the CPU (the sampler's padded prefills a
 prefills after a cached prefix, in any dtype) goes to SDPA itself, with the grouped
 key/value heads as they are (``_sdpa_takes_groups``), rather than through transformers,
 which repeats them under a mask.
+
+A packed training pass (``packed``: several sequences of different lengths laid end to
+end in one row, so that the linear layers run on real tokens only, with no padding and
+in one pass) attends within each sequence: ``attend`` splits the row at the sequences'
+ends and takes each as the unpadded causal pass it is (sequences of one length side by
+side as one batch), and the mask transformers would build for the whole row (its
+packed-sequence mask, N x N) is not made.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -44,14 +55,41 @@ NAME = "trio_sdpa"
 # 9-head model are 1.2M scores, 7 MiB a layer, 210 MiB over 30 layers.
 GROUPED_MAX_SCORES = 1 << 22
 
+# The lengths of the sequences laid end to end in the row of a packed pass (``packed``).
+_packed_lengths: ContextVar[tuple[int, ...] | None] = ContextVar("packed_lengths", default=None)
+
 
 def install(model: Any) -> None:
     """Point ``model`` (an sdpa model) at ``attend``; other implementations are left as they are."""
     if model.config._attn_implementation != "sdpa":
         return
     AttentionInterface.register(NAME, attend)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, _mask)
     model.set_attn_implementation(NAME)
+
+
+def packs(model: Any, longest: int) -> bool:
+    """Whether sequences of up to ``longest`` tokens can run packed through ``model``:
+    it attends through ``attend``, and no layer's sliding window is shorter (within a
+    window, a sliding layer is a plain causal one)."""
+    window = getattr(model.config, "sliding_window", None)
+    return model.config._attn_implementation == NAME and (window is None or longest <= window)
+
+
+@contextmanager
+def packed(lengths: Sequence[int]) -> Iterator[None]:
+    """Passes run inside are packed rows: one row of ``sum(lengths)`` tokens made of
+    sequences of these lengths, in order (``packs`` says which models take them)."""
+    token = _packed_lengths.set(tuple(lengths))
+    try:
+        yield
+    finally:
+        _packed_lengths.reset(token)
+
+
+def _mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """SDPA's mask, but none for a packed pass (``attend`` keeps each sequence to itself)."""
+    return None if _packed_lengths.get() is not None else sdpa_mask(*args, **kwargs)
 
 
 def attend(
@@ -66,16 +104,42 @@ def attend(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: (batch, heads, length, dim) in, (batch, length,
     heads, dim) out."""
+    lengths = _packed_lengths.get()
+    if lengths is not None and query.shape[0] == 1 and query.shape[2] == sum(lengths):
+        return _attend_packed(module, query, key, value, lengths, dropout, scaling, kwargs), None
+    return _attend_one(module, query, key, value, attention_mask, dropout, scaling, kwargs), None
+
+
+def _attend_packed(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   lengths: Sequence[int], dropout: float, scaling: float | None,
+                   kwargs: dict[str, Any]) -> torch.Tensor:
+    """``attend`` of a packed row: each run of consecutive sequences of one length as one
+    batch of them (a view, no copy), so that many short sequences cost a call per
+    distinct length rather than one each."""
+    runs = [(n, len(list(same))) for n, same in itertools.groupby(lengths)]
+    sizes = [n * count for n, count in runs]
+    parts = zip(runs, query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2), strict=True)
+    outs = []
+    for (n, count), q, k, v in parts:
+        q, k, v = (t[0].unflatten(1, (count, n)).transpose(0, 1) for t in (q, k, v))  # (count, heads, n, dim)
+        outs.append(_attend_one(module, q, k, v, None, dropout, scaling, kwargs).flatten(0, 1))  # (count x n, heads, dim)
+    return torch.cat(outs)[None]
+
+
+def _attend_one(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, dropout: float, scaling: float | None,
+                kwargs: dict[str, Any]) -> torch.Tensor:
+    """``attend`` of one batch of sequences: (batch, length, heads, dim)."""
     takes, hidden = _matmul_path(module, query, key, attention_mask, dropout, kwargs)
     if not takes:
         if _sdpa_takes_groups(query, key, attention_mask, kwargs):
             out = torch.nn.functional.scaled_dot_product_attention(
                 query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
-            return out.transpose(1, 2).contiguous(), None
+            return out.transpose(1, 2).contiguous()
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+                                      scaling=scaling, **kwargs)[0]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return grouped(query, key, value, scale, hidden).transpose(1, 2).contiguous(), None
+    return grouped(query, key, value, scale, hidden).transpose(1, 2).contiguous()
 
 
 _SDPA: tuple[bool, None] = (False, None)

@@ -4,10 +4,17 @@ The service's worker calls a host from one thread. Every public method validates
 whole input before touching any state, so a bad request never leaves half an update.
 
 Training batches (``forward_backward`` over several jobs, possibly of several adapters)
-are sorted by length and cut into micro-batches under a token budget, right-padded
-within each micro-batch. With right padding a causal model never lets a real token see
-a pad, so no attention mask is needed and a datum's result does not depend on its
-neighbours. The unembedding and the log-softmax run only on real tokens.
+are sorted by length and cut into micro-batches under a token budget. A micro-batch of
+sequences of different lengths runs packed: laid end to end in one row of real tokens,
+each attending only within itself (``attention.packed``), so the linear layers see no
+padding and the whole budget goes through in one pass. A ragged fp32 batch of the
+bundled model (16 sequences of 32-256 tokens) took 9.8 s instead of 11.2 s a
+forward_backward that way, against five right-padded micro-batches (7% padding); bf16
+3.8 s instead of 4.4 s (one process, interleaved). Sequences of one length, and models
+whose sliding window is shorter than a sequence (``attention.packs``), run as a
+right-padded batch instead: with right padding a causal model never lets a real token
+see a pad, so no attention mask is needed. Either way a datum's result does not depend
+on its neighbours. The unembedding and the log-softmax run only on real tokens.
 
 A host lives on one device (``device.resolve_device``): every tensor it makes is made
 there, and everything it returns is device-free (Python lists, CPU checkpoints).
@@ -25,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
-from . import checkpoint, lora, sampler
+from . import attention, checkpoint, lora, sampler
 from .catalog import DEFAULT_MODEL, Catalog, load_model_and_tokenizer
 from .device import DTYPES, resolve_device, resolve_dtype
 from .errors import AdapterNotFoundError, InvalidInputError
@@ -35,7 +42,7 @@ from .optim import AdamConfig, AdamState, adamw_step
 
 __all__ = [
     "DTYPES", "AdapterNotFoundError", "Adapter", "Example", "ForwardJob", "ForwardResult",
-    "InvalidInputError", "ModelHost", "merge_results", "split_by_length",
+    "InvalidInputError", "ModelHost", "merge_results", "split_by_budget", "split_by_length",
 ]
 
 
@@ -101,7 +108,8 @@ class ModelHost:
         dtype: compute dtype of the base weights; LoRA weights stay fp32. None:
             ``$TRIO_DTYPE``, else bfloat16 on CUDA and float32 on the CPU.
         catalog: where to look the name up.
-        max_batch_tokens: token budget of one training micro-batch (padded size).
+        max_batch_tokens: token budget of one training micro-batch (its tokens, padding
+            included where it is padded).
         device: ``"auto" | "cpu" | "cuda" | "cuda:N"`` or a torch.device. None:
             ``$TRIO_DEVICE``, else ``"auto"`` (CUDA when available).
 
@@ -365,41 +373,40 @@ class ModelHost:
         return [self._collect(j, job, outputs) for j, job in enumerate(jobs)]
 
     def _micro_batches(self, jobs: list[ForwardJob], rows: list[tuple[int, int]]):
-        """Rows sorted by length, split where padding costs more than another pass; within
-        a micro-batch an adapter's rows are consecutive (one slice per adapter for LoRA)."""
+        """Rows sorted by length and cut under the token budget: where they can run packed,
+        at the budget; else where padding costs more than another pass. Within a
+        micro-batch an adapter's rows are consecutive (one slice per adapter for LoRA)."""
         ordered = sorted(rows, key=lambda r: -len(jobs[r[0]].examples[r[1]].tokens))
         lengths = [len(jobs[j].examples[i].tokens) for j, i in ordered]
+        if lengths and attention.packs(self.model, lengths[0]):
+            ends = split_by_budget(lengths, self.max_batch_tokens)
+        else:
+            ends = split_by_length(lengths, self.max_batch_tokens)
         start = 0
-        for end in split_by_length(lengths, self.max_batch_tokens):
+        for end in ends:
             yield sorted(ordered[start:end], key=lambda r: jobs[r[0]].adapter_id or "")
             start = end
 
     def _run_micro_batch(self, jobs: list[ForwardJob], micro: list[tuple[int, int]], backward: bool):
         examples = [jobs[j].examples[i] for j, i in micro]
         lengths = [len(ex.tokens) for ex in examples]
-        width = max(lengths)
-        pad = self.tokenizer.pad_token_id or 0
-        dev = self.device
-        input_ids = torch.tensor(
-            [ex.tokens + [pad] * (width - len(ex.tokens)) for ex in examples], device=dev
-        )  # (B, T)
         row_adapters = [jobs[j].adapter_id for j, _ in micro]
-        with self.routing.use(lora.segments(row_adapters)):
-            hidden = self.trunk(input_ids=input_ids).last_hidden_state  # (B, T, H)
-        # real tokens only, flattened: (N, H)
-        real = torch.arange(width, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
         token_adapters = [a for a, n in zip(row_adapters, lengths) for _ in range(n)]
+        if len(set(lengths)) > 1 and attention.packs(self.model, max(lengths)):
+            hidden = self._packed_trunk(examples, lengths, token_adapters)
+        else:
+            hidden = self._padded_trunk(examples, lengths, row_adapters)
         targets = torch.tensor(
-            [t for ex in examples for t in ex.inputs["target_tokens"]], dtype=torch.long, device=dev
+            [t for ex in examples for t in ex.inputs["target_tokens"]], dtype=torch.long, device=self.device
         )  # (N,)
-        logp = self.token_logprobs(hidden[real], targets, token_adapters)  # (N,)
+        logp = self.token_logprobs(hidden, targets, token_adapters)  # (N,)
 
         losses, metrics = [], []
         total = logp.new_zeros(())
         offset = 0
         for (j, _), ex, n in zip(micro, examples, lengths):
             job = jobs[j]
-            inputs = _loss_inputs(ex, n, dev)
+            inputs = _loss_inputs(ex, n, self.device)
             loss, token_metrics = LOSSES[job.loss_fn].fn(
                 logp[offset : offset + n], inputs, job.loss_fn_config
             )
@@ -416,6 +423,30 @@ class ModelHost:
             key: (lp, loss, {k: v.detach().cpu() for k, v in m.items()})
             for key, lp, loss, m in zip(micro, logp_cpu, loss_cpu, metrics)
         }
+
+    def _padded_trunk(self, examples: list[Example], lengths: list[int], row_adapters: list[str | None]):
+        """The trunk's hidden states of the examples' real tokens, flattened (N, H), from
+        one right-padded batch."""
+        width = max(lengths)
+        pad = self.tokenizer.pad_token_id or 0
+        dev = self.device
+        input_ids = torch.tensor(
+            [ex.tokens + [pad] * (width - len(ex.tokens)) for ex in examples], device=dev
+        )  # (B, T)
+        with self.routing.use(lora.segments(row_adapters)):
+            hidden = self.trunk(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, H)
+        real = torch.arange(width, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
+        return hidden[real]
+
+    def _packed_trunk(self, examples: list[Example], lengths: list[int], token_adapters: list[str | None]):
+        """The trunk's hidden states of the examples' tokens (N, H), from one packed row:
+        the examples end to end, each with its own positions, attending within itself."""
+        dev = self.device
+        input_ids = torch.tensor([[t for ex in examples for t in ex.tokens]], device=dev)  # (1, N)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])[None]  # (1, N)
+        with self.routing.use(lora.segments(token_adapters), over_tokens=True), attention.packed(lengths):
+            hidden = self.trunk(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state
+        return hidden[0]
 
     def token_logprobs(
         self, hidden: torch.Tensor, targets: torch.Tensor, token_adapters: list[str | None]
@@ -647,6 +678,19 @@ LOGIT_CHUNK_ELEMENTS = 2**24
 # A forward pass costs about this many padded tokens on top of its tokens (per-layer
 # launches, weight reads), so tiny micro-batches are not free.
 PASS_OVERHEAD_TOKENS = 64
+
+
+def split_by_budget(lengths: list[int], budget: int) -> list[int]:
+    """End indices of micro-batches over ``lengths`` that run packed (no padding): as many
+    rows in each as fit in ``budget`` tokens (a single longer row gets its own)."""
+    ends: list[int] = []
+    total = 0
+    for k, n in enumerate(lengths):
+        if total and total + n > budget:
+            ends.append(k)
+            total = 0
+        total += n
+    return ends + [len(lengths)] if lengths else []
 
 
 def split_by_length(lengths: list[int], budget: int) -> list[int]:

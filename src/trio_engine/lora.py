@@ -77,16 +77,20 @@ class Routing:
 
     def __init__(self) -> None:
         self.segments: list[tuple[str, slice | None]] = []
+        self.over_tokens = False
 
     @contextmanager
-    def use(self, segments: list[tuple[str, slice | None]]) -> Iterator[None]:
+    def use(self, segments: list[tuple[str, slice | None]], over_tokens: bool = False) -> Iterator[None]:
         """Route rows: ``[(adapter_id, slice of rows, or None for all rows)]``, the slices
-        in row order and disjoint (as ``segments`` makes them)."""
-        previous, self.segments = self.segments, segments
+        in row order and disjoint (as ``segments`` makes them). ``over_tokens``: the
+        slices count tokens (the rows of an input's leading dimensions flattened), as a
+        packed pass needs, whose one row holds sequences of several adapters."""
+        previous = self.segments, self.over_tokens
+        self.segments, self.over_tokens = segments, over_tokens
         try:
             yield
         finally:
-            self.segments = previous
+            self.segments, self.over_tokens = previous
 
 
 class LoRALinear(nn.Module):
@@ -171,9 +175,13 @@ def with_adapters(out: torch.Tensor, x: torch.Tensor, routing: Routing, adapters
         return out.contiguous()  # base_product's may be a transposed view
     if runs[0][1] is None:  # one adapter, every row
         return adapted(out, x, runs[0][0])
-    cuts, owners = _cut_at_runs(cast(list[tuple[str, slice]], runs), x.shape[0])  # only slices past one None
-    parts = zip(out.split(cuts), x.split(cuts), owners)
-    return torch.cat([o if a is None else adapted(o, xs, a) for o, xs, a in parts])
+    if routing.over_tokens:
+        out_rows, x_rows = out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])
+    else:
+        out_rows, x_rows = out, x
+    cuts, owners = _cut_at_runs(cast(list[tuple[str, slice]], runs), x_rows.shape[0])  # only slices past one None
+    parts = zip(out_rows.split(cuts), x_rows.split(cuts), owners)
+    return torch.cat([o if a is None else adapted(o, xs, a) for o, xs, a in parts]).view(out.shape)
 
 
 class SiblingGroup:

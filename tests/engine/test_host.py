@@ -49,6 +49,38 @@ def test_logprobs_match_plain_transformers(family_host, new_id):
     host.delete_adapter(aid)
 
 
+def test_sequences_within_the_window_run_packed_and_match_plain_transformers(family_host, new_id, monkeypatch):
+    """Sequences no longer than any sliding window run as one packed row (no padding) in
+    every family whose attention is ours, each sequence with its own positions, those of
+    one length attending side by side, and still match plain transformers; one longer
+    than a window runs padded instead."""
+    from trio_engine import attention
+
+    from .helpers import WINDOW
+
+    host = family_host
+    aid = new_id()
+    host.create_adapter(aid, LoraConfig(rank=4, seed=3))
+    randomize_adapter(host, aid, seed=6, scale=0.1)
+    rng = random.Random(2)
+    data = [random_example(host.vocab_size, n, rng) for n in (2, WINDOW, 3, 3)]  # the 3s attend as one batch
+    positions = []
+    trunk = host.trunk.forward
+    monkeypatch.setattr(host.trunk, "forward", lambda **kw: positions.append(kw.get("position_ids")) or trunk(**kw))
+    result = host.forward([ForwardJob(aid, data)])[0]
+    ref_model = merged_model(host, aid)
+    for ex, lp in zip(data, result.logprobs):
+        torch.testing.assert_close(torch.tensor(lp), reference_logprobs(ref_model, ex.tokens, ex.inputs["target_tokens"]),
+                                   atol=TOL, rtol=TOL)
+    [seen] = positions  # one pass
+    if host.model.config._attn_implementation == attention.NAME:
+        assert seen.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 0, 1]]  # longest first, each from 0
+    window = getattr(host.model.config, "sliding_window", None)
+    assert attention.packs(host.model, WINDOW + 1) == (host.model.config._attn_implementation == attention.NAME
+                                                       and window is None)
+    host.delete_adapter(aid)
+
+
 @pytest.mark.parametrize("family_host", ["gemma2", "gemma3_text", "cohere", "granite"], indirect=True)
 def test_family_logit_transform_matters(family_host):
     """Where a family transforms lm_head's output, leaving it out moves the logprobs far
@@ -259,6 +291,16 @@ def test_bad_loss_config(tiny_host):
     ex = Example([1, 2], {"target_tokens": [2, 3], "logprobs": [0, 0], "advantages": [1, 1]})
     with pytest.raises(InvalidInputError, match="clip_hi"):
         tiny_host.forward([ForwardJob(None, [ex], "ppo", {"clip_hi": 2.0})])
+
+
+def test_packed_micro_batches_fill_the_budget():
+    from trio_engine.host import split_by_budget
+
+    assert split_by_budget([256, 250, 240, 64, 60, 32], 4096) == [6]  # one pass, no padding
+    assert split_by_budget([100, 90, 80, 70], 200) == [2, 4]  # as many rows as fit
+    assert split_by_budget([100, 100, 50], 200) == [2, 3]  # an exact fit fills a pass
+    assert split_by_budget([300, 10, 5], 200) == [1, 3]  # an over-budget row runs alone
+    assert split_by_budget([], 200) == []
 
 
 def test_micro_batches_cut_padding():

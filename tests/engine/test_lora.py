@@ -234,8 +234,9 @@ def test_one_base_copy_for_many_adapters(tiny_host, new_id):
     assert {id(p) for p in tiny_host.model.parameters()} == base_ptrs
 
 
-def test_mixed_adapter_batch_equals_solo_runs(tiny_host, new_id):
-    """Rows of adapters a, b and of the base model in one pass: each equals its solo run."""
+def test_mixed_adapter_batch_equals_solo_runs(tiny_host, new_id, monkeypatch):
+    """Rows of adapters a, b and of the base model in one pass (packed: the lengths differ,
+    so the adapters' runs are runs of tokens): each equals its solo run."""
     a, b = new_id(), new_id()
     for k, aid in enumerate((a, b)):
         tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=k))
@@ -243,7 +244,12 @@ def test_mixed_adapter_batch_equals_solo_runs(tiny_host, new_id):
     ex = lambda toks: Example(toks[:-1], {"target_tokens": toks[1:]})  # noqa: E731
     data = {a: [ex([1, 2, 3, 4, 5, 6])], b: [ex([9, 8, 7]), ex([3, 3, 3, 3])], None: [ex([4, 5, 6, 7])]}
 
+    passes = []
+    run = tiny_host._run
+    monkeypatch.setattr(tiny_host, "_run", lambda jobs, backward: passes.append(len(jobs)) or run(jobs, backward))
     mixed = tiny_host.forward_backward([ForwardJob(k, v) for k, v in data.items()])
+    assert passes == [3]  # one pass of all three jobs (a failing co-batched pass would rerun each alone)
+    monkeypatch.undo()
     mixed_grads = {aid: {k: p.grad.clone() for k, p in tiny_host.adapter_params(aid).items()} for aid in (a, b)}
     for aid in (a, b):
         tiny_host.zero_grad(aid)
