@@ -7,13 +7,13 @@ Training batches (``forward_backward`` over several jobs, possibly of several ad
 are sorted by length and cut into micro-batches under a token budget. A micro-batch of
 sequences of different lengths runs packed: laid end to end in one row of real tokens,
 each attending only within itself (``attention.packed``), so the linear layers see no
-padding and the whole budget goes through in one pass. A ragged fp32 batch of the
-bundled model (16 sequences of 32-256 tokens) took 9.8 s instead of 11.2 s a
-forward_backward that way, against five right-padded micro-batches (7% padding); bf16
-3.8 s instead of 4.4 s (one process, interleaved). Sequences of one length, and models
-whose sliding window is shorter than a sequence (``attention.packs``), run as a
-right-padded batch instead: with right padding a causal model never lets a real token
-see a pad, so no attention mask is needed. Either way a datum's result does not depend
+padding and the whole budget goes through in one pass. A training step of a ragged
+batch of the bundled model (16 sequences of 32-256 tokens) took 9.10 s instead of 9.66 s
+that way in fp32, against five right-padded micro-batches (7% padding), and 3.76 s
+instead of 5.12 s in bf16 (one process, interleaved medians). Sequences of one length,
+and models whose sliding window is shorter than a sequence (``attention.packs``), run
+as a right-padded batch instead: with right padding a causal model never lets a real
+token see a pad, so no attention mask is needed. Either way a datum's result does not depend
 on its neighbours. The unembedding and the log-softmax run only on real tokens.
 
 A host lives on one device (``device.resolve_device``): every tensor it makes is made
