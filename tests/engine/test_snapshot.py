@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import errno
+import json
+import os
 import random
+import struct
 
 import pytest
 import torch
@@ -84,12 +87,11 @@ def test_a_failed_write_leaves_the_previous_snapshot_whole(tiny_host, new_id, tm
     tiny_host.forward_backward([ForwardJob(aid, data(tiny_host, 5))])
     tiny_host.optim_step(aid, CFG)
 
-    def disk_full(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"half a file")
+    def disk_full(fd, data):
+        os.write(fd, bytes(data[:4096]))  # half a file
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(snapshot, "save_file", disk_full)
+    monkeypatch.setattr(snapshot, "write_all", disk_full)
     with pytest.raises(OSError, match="No space"):
         snapshot.write(path, snapshot.capture(tiny_host, aid))
     assert snapshot.read(path).step == 1  # the old one, readable
@@ -103,3 +105,71 @@ def test_a_snapshot_of_another_base_model_is_refused(tiny_host, qwen_host, new_i
     snapshot.write(path, snapshot.capture(tiny_host, aid))
     with pytest.raises(ValueError, match="base model"):
         snapshot.restore(qwen_host, aid, snapshot.read(path))
+
+
+def odd_sized_state() -> snapshot.Snapshot:
+    """Tensors of two dtypes and sizes that are no multiple of anything, names interleaved."""
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"adapter.a": torch.randn(3, 5, generator=gen).to(torch.bfloat16),
+               "adapter.b": torch.randn(7, 3, generator=gen),
+               "exp_avg.a": torch.randn(1, generator=gen).to(torch.bfloat16),
+               "exp_avg.b": torch.randn(1000, 333, generator=gen).t()}  # not contiguous
+    return snapshot.Snapshot(LoraConfig(rank=3), 7, "trio/tiny-llama", tensors)
+
+
+def test_the_file_is_plain_safetensors_with_each_tensor_aligned_and_no_padding(tmp_path):
+    """Read back by safetensors itself, not by our reader: every tensor bit for bit, the
+    metadata, the data after an 8-byte aligned header, each tensor at a multiple of its
+    element size, and the file exactly as long as its data (the direct write's last
+    block trimmed)."""
+    from safetensors import safe_open
+
+    snap = odd_sized_state()
+    path = tmp_path / "run.safetensors"
+    snapshot.write(path, snap)
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(snap.tensors)
+        for name, tensor in snap.tensors.items():
+            assert torch.equal(f.get_tensor(name), tensor), name
+        assert f.metadata()["step"] == "7" and f.metadata()["base_model"] == "trio/tiny-llama"
+    raw = path.read_bytes()
+    (header_length,) = struct.unpack("<Q", raw[:8])
+    assert (8 + header_length) % 8 == 0
+    header = json.loads(raw[8 : 8 + header_length])
+    ends = [header[name]["data_offsets"] for name in snap.tensors]
+    assert all(start % snap.tensors[name].element_size() == 0 for name, (start, _) in zip(snap.tensors, ends))
+    assert len(raw) == 8 + header_length + max(end for _, end in ends)
+    assert snapshot.read(path).step == 7
+
+
+def test_a_file_system_without_direct_io_gets_the_same_file_through_the_page_cache(tmp_path, monkeypatch):
+    tries = []
+    real = snapshot._written
+
+    def no_direct_io(path, image, direct):
+        tries.append(bool(direct))
+        if direct:
+            raise OSError(errno.EINVAL, "Invalid argument")  # what tmpfs answers
+        return real(path, image, direct)
+
+    monkeypatch.setattr(snapshot, "_written", no_direct_io)
+    snap = odd_sized_state()
+    snapshot.write(tmp_path / "run.safetensors", snap)
+    assert tries == ([True, False] if getattr(os, "O_DIRECT", 0) else [False])
+    back = snapshot.read(tmp_path / "run.safetensors")
+    assert all(torch.equal(back.tensors[k], v) for k, v in snap.tensors.items())
+
+
+def test_a_capture_is_a_copy_the_next_step_does_not_change(tiny_host, new_id, tmp_path):
+    """The captured tensors are views of the file's bytes, copied under the lock: a step
+    taken after the capture is not in the file."""
+    aid = new_id()
+    trained(tiny_host, aid, steps=1)
+    captured = snapshot.capture(tiny_host, aid)
+    before = state(tiny_host, aid)
+    tiny_host.optim_step(aid, CFG)
+    snapshot.write(tmp_path / "run.safetensors", captured)
+    back = snapshot.read(tmp_path / "run.safetensors")
+    assert back.step == 1
+    assert all(torch.equal(back.tensors[f"adapter.{k}"], v) for k, v in before[0].items())
+    assert not all(torch.equal(back.tensors[f"adapter.{k}"], p) for k, p in tiny_host.adapter_params(aid).items())
