@@ -110,7 +110,9 @@ def _page_aligned(size: int) -> FileImage:
     blocks = -(-size // DIRECT_IO_BLOCK) * DIRECT_IO_BLOCK
     whole = torch.empty(blocks + DIRECT_IO_BLOCK, dtype=torch.uint8)
     skip = -whole.data_ptr() % DIRECT_IO_BLOCK
-    return FileImage(whole[skip : skip + blocks], size)
+    buffer = whole[skip : skip + blocks]
+    buffer[size:].zero_()  # the last block's padding reaches the disk until trimmed: no stale heap bytes in it
+    return FileImage(buffer, size)
 
 
 def write(path: str | Path, snap: Snapshot) -> None:

@@ -173,3 +173,13 @@ def test_a_capture_is_a_copy_the_next_step_does_not_change(tiny_host, new_id, tm
     assert back.step == 1
     assert all(torch.equal(back.tensors[f"adapter.{k}"], v) for k, v in before[0].items())
     assert not all(torch.equal(back.tensors[f"adapter.{k}"], p) for k, p in tiny_host.adapter_params(aid).items())
+
+
+def test_the_padding_written_with_the_last_block_holds_no_stale_memory(monkeypatch):
+    """Direct I/O writes the last block whole before trimming it: its padding is zeros,
+    not whatever the allocator's memory held (here: all ones)."""
+    full = torch.full
+    monkeypatch.setattr(snapshot.torch, "empty", lambda n, dtype: full((n,), 255, dtype=dtype))
+    image = snapshot.laid_out(odd_sized_state()).image
+    assert image is not None and image.size % snapshot.DIRECT_IO_BLOCK  # a padded last block
+    assert not image.buffer[image.size :].any()
