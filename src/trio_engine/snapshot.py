@@ -11,9 +11,9 @@ between two engine calls) straight into the file's bytes, laid out in one page-a
 buffer; ``write`` does the slow disk work outside it, from that buffer to the disk
 (``O_DIRECT``) where the file system allows: no second copy into the page cache, whose
 writing and flushing cost a core for longer than the write itself. A snapshot of the
-bundled model at rank 32 (136 MB): 186-200 ms to capture and write against 243-262 ms
+bundled model at rank 32 (136 MB): 168-200 ms to capture and write against 228-262 ms
 through ``safetensors.save_file`` and the page cache (``benchmarks/snapshot.py``'s
-``write_ms``, four runs and three), and the written state does not push other files' pages
+``write_ms``, four runs and five), and the written state does not push other files' pages
 (a model's weights, say) out of the cache. A file system that takes no direct I/O
 (tmpfs) gets the same bytes through the page cache.
 """
@@ -163,8 +163,8 @@ def write_all(fd: int, data: memoryview) -> None:
 
 def remove_partial_writes(folder: str | Path) -> int:
     """Remove what writes a crash interrupted left in a snapshot folder: the hidden
-    temporary files (``write``'s, and those safetensors makes beside them), each as large
-    as a snapshot. Only while no write can be under way (at start-up). Returns how many."""
+    temporary files (``write``'s, and those ``safetensors.save_file`` made beside them
+    when it wrote snapshots), each as large as a snapshot. Only while no write can be under way (at start-up). Returns how many."""
     partial = [p for p in Path(folder).glob(".*") if p.is_file()] if Path(folder).is_dir() else []
     for path in partial:
         path.unlink(missing_ok=True)
