@@ -7,6 +7,7 @@ Unit tests use tiny random-init models (fp32); a few integration tests, marked
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 
 import pytest
@@ -25,6 +26,36 @@ if os.environ.get("TRIO_MUTATION_WARMUP"):
         catalog._tiny_tokenizer(which)
 
 _ids = itertools.count()
+
+
+class _Errors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def no_co_batch_bug(request):
+    """Fails a test in which a co-batched pass raised where each of its jobs alone ran: the
+    engine hides such a bug from users (their answers come from the jobs run one at a
+    time) and only logs it (``trio_engine.host._report_co_batch_bug``). A test that makes
+    one on purpose is marked ``co_batch_bug``."""
+    errors = _Errors()
+    logger = logging.getLogger("trio.engine")
+    logger.addHandler(errors)
+    try:
+        yield
+    finally:
+        logger.removeHandler(errors)
+    if errors.records and request.node.get_closest_marker("co_batch_bug") is None:
+        from trio_engine.host import CO_BATCH_BUG
+
+        bugs = [r.getMessage() for r in errors.records if getattr(r, CO_BATCH_BUG, False)]
+        if bugs:
+            pytest.fail(f"co-batching failed where each job alone ran: {bugs}")
 
 
 @pytest.fixture

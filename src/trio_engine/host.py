@@ -23,6 +23,7 @@ there, and everything it returns is device-free (Python lists, CPU checkpoints).
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import threading
 from collections.abc import Hashable, Sequence
@@ -39,6 +40,8 @@ from .errors import AdapterNotFoundError, InvalidInputError
 from .losses import LOSSES, OPTIONAL_INPUTS
 from .model import Head, check_head, check_plain_head, context_of, family_of, select_targets
 from .optim import AdamConfig, AdamState, adamw_step
+
+log = logging.getLogger("trio.engine")
 
 __all__ = [
     "DTYPES", "AdapterNotFoundError", "Adapter", "Example", "ForwardJob", "ForwardResult",
@@ -301,7 +304,8 @@ class ModelHost:
         non-finite loss, which would poison its adapter's grads) gets its exception as its
         outcome and adds no gradient; the others' outcomes and grads are then exactly those
         of each job run alone: every grad goes back to where it was before the call and
-        each job runs again on its own. Invalid jobs raise before anything runs.
+        each job runs again on its own. Invalid jobs raise before anything runs. A shared
+        pass that raises where every job alone runs is an engine bug: logged as an error.
         """
         return self._isolated(jobs, backward=True)
 
@@ -310,20 +314,24 @@ class ModelHost:
             self.validate_job(job)
         with self.lock:
             saved = self._save_grads(_adapters_of(jobs)) if backward else {}
+            shared_error: Exception | None = None
             try:
                 results = self._run(jobs, backward)
                 failed = any(backward and _non_finite(job, r) for job, r in zip(jobs, results))
-            except Exception:
+            except Exception as exc:
                 if len(jobs) == 1:
                     self._restore_grads(saved)
                     raise
-                failed = True
+                failed, shared_error = True, exc
             if not failed:
                 return list(results)
             self._restore_grads(saved)
             if len(jobs) == 1:  # that pass was the job alone: its error is known, no second run
                 return [_non_finite(jobs[0], results[0]) or results[0]]
-            return [self._alone(job, backward) for job in jobs]
+            outcomes = [self._alone(job, backward) for job in jobs]
+            if shared_error is not None and not any(isinstance(o, Exception) for o in outcomes):
+                _report_co_batch_bug(shared_error, jobs)
+            return outcomes
 
     def _alone(self, job: ForwardJob, backward: bool) -> ForwardResult | Exception:
         """One job on its own; on failure its grads are left as they were and it gets its error."""
@@ -723,6 +731,20 @@ def split_by_length(lengths: list[int], budget: int) -> list[int]:
 
 def _adapters_of(jobs: list[ForwardJob]) -> set[str]:
     return {job.adapter_id for job in jobs if job.adapter_id is not None}
+
+
+CO_BATCH_BUG = "trio_co_batch_bug"  # set on the log record of ``_report_co_batch_bug``
+
+
+def _report_co_batch_bug(error: Exception, jobs: list[ForwardJob]) -> None:
+    """A shared pass raised where each of its jobs alone ran: a bug of the engine's
+    co-batching (packing, routing), not of anyone's data. The answers stay right (each came
+    from its job alone), so only this error log shows it, with the pass's traceback; the
+    tests fail on such a record (``tests/conftest.py``)."""
+    runs = sorted({str(job.adapter_id) for job in jobs})
+    log.error("a co-batched pass of %d jobs (runs %s) raised, but each job alone ran: an engine bug "
+              "in co-batching; the answers came from the jobs run one at a time", len(jobs), ", ".join(runs),
+              exc_info=error, extra={CO_BATCH_BUG: True})
 
 
 def _non_finite(job: ForwardJob, result: ForwardResult) -> InvalidInputError | None:

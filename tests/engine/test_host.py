@@ -221,6 +221,47 @@ def test_grads_accumulate_and_forward_adds_none(tiny_host, new_id):
         torch.testing.assert_close(p.grad, 2 * once[k], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.co_batch_bug
+def test_a_co_batched_pass_that_fails_where_its_jobs_alone_run_is_logged(tiny_host, new_id, monkeypatch, caplog):
+    """A bug in co-batching (here: any pass of two jobs raises) must not fail anyone's
+    request: each job runs alone, with the grads it would have had alone. But it must not
+    pass silently either: an error log with the shared pass's traceback, which fails any
+    unmarked test (``tests/conftest.py``)."""
+    from trio_engine.host import CO_BATCH_BUG
+
+    a, b = new_id(), new_id()
+    for aid, seed in ((a, 3), (b, 4)):
+        tiny_host.create_adapter(aid, LoraConfig(rank=4))
+        randomize_adapter(tiny_host, aid, seed=seed)
+    rng = random.Random(3)
+    jobs = [ForwardJob(a, [random_example(tiny_host.vocab_size, 9, rng)]),
+            ForwardJob(b, [random_example(tiny_host.vocab_size, 5, rng)])]
+    expected = [tiny_host.forward_backward([job])[0] for job in jobs]
+    alone_grads = {aid: {k: p.grad.clone() for k, p in tiny_host.adapter_params(aid).items()} for aid in (a, b)}
+    for aid in (a, b):
+        tiny_host.zero_grad(aid)
+
+    run = tiny_host._run
+
+    def co_batching_bug(batch, backward):
+        if len(batch) > 1:
+            raise RuntimeError("packing went wrong")
+        return run(batch, backward)
+
+    monkeypatch.setattr(tiny_host, "_run", co_batching_bug)
+    with caplog.at_level("ERROR", logger="trio.engine"):
+        outcomes = tiny_host.forward_backward(jobs)
+    for got, want in zip(outcomes, expected):
+        assert got.logprobs[0] == pytest.approx(want.logprobs[0], abs=1e-6)
+    for aid in (a, b):
+        for k, p in tiny_host.adapter_params(aid).items():
+            torch.testing.assert_close(p.grad, alone_grads[aid][k], atol=1e-6, rtol=1e-5)
+    [record] = [r for r in caplog.records if getattr(r, CO_BATCH_BUG, False)]
+    assert "packing went wrong" in str(record.exc_info[1]) and a in record.getMessage()
+    for aid in (a, b):
+        tiny_host.delete_adapter(aid)
+
+
 def test_gradient_matches_autograd_on_plain_formula(tiny_host, new_id):
     """dL/dB of cross-entropy equals autograd through a hand-built W0 + (α/r)·B·A model."""
     aid = new_id()
