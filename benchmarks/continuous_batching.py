@@ -21,7 +21,7 @@ request's completion - its arrival. The runs alternate (ABAB...), medians report
 ``--lengths mixed`` (default) gives the requests max_tokens cycling 64, 16, 32, 48
 (rollouts of different lengths); ``uniform`` gives each 32.
 
-Run: .venv/bin/python benchmarks/continuous_batching.py [--model trio/tiny-llama] [--repeats 3] [--threads 1]
+Run: .venv/bin/python benchmarks/continuous_batching.py [--model trio/tiny-llama] [--repeats 5] [--threads 1]
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--gap-ms", type=float, default=50.0)
     parser.add_argument("--lengths", default="mixed", choices=sorted(LENGTHS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); on a "
                         "shared, loaded machine 1 thread gives steadier figures")
     args = parser.parse_args()

@@ -11,7 +11,7 @@ then show).
 
     RESULT prefix_cache_prefill ours=<prompt tokens/s> baseline=<prompt tokens/s> ratio=...
 
-Run: .venv/bin/python benchmarks/prefix_cache.py [--model trio/tiny-llama] [--repeats 3] [--threads 1] [--context 2000]
+Run: .venv/bin/python benchmarks/prefix_cache.py [--model trio/tiny-llama] [--repeats 5] [--threads 1] [--context 2000]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--context", type=int, default=0, help="tokens before the first turn")
     args = parser.parse_args()

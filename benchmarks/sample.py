@@ -60,7 +60,7 @@ def compare(name: str, host: ModelHost, model, tokenizer, requests, repeats: int
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
