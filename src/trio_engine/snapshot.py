@@ -164,7 +164,8 @@ def write_all(fd: int, data: memoryview) -> None:
 def remove_partial_writes(folder: str | Path) -> int:
     """Remove what writes a crash interrupted left in a snapshot folder: the hidden
     temporary files (``write``'s, and those ``safetensors.save_file`` made beside them
-    when it wrote snapshots), each as large as a snapshot. Only while no write can be under way (at start-up). Returns how many."""
+    when it wrote snapshots), each as large as a snapshot. Only while no write can be
+    under way (at start-up). Returns how many."""
     partial = [p for p in Path(folder).glob(".*") if p.is_file()] if Path(folder).is_dir() else []
     for path in partial:
         path.unlink(missing_ok=True)
