@@ -232,18 +232,21 @@ def check_plain_head(spec: FamilySpec, model: Any) -> None:
 def select_targets(model: nn.Module, spec: FamilySpec, config: LoraConfig) -> tuple[str, ...]:
     """The target names of ``config`` that ``model`` has as linear layers.
 
+    An adapter covers every weight of each kind it asks for or is refused: a model the
+    spec does not fully describe fails here rather than training part of what was asked.
+
     Raises:
         InvalidInputError: a kind of layer the config asks for (train_attn, train_mlp,
-            train_unembed) matches no linear layer of the model, or, for a known family,
-            misses one of the family's names (a partial adapter); nothing is changed.
+            train_unembed) matches no linear layer of the model, or only part of that kind:
+            a known family missing one of its names, weights of that kind outside linear
+            layers (``_refuse_weights_outside_linears``), or linear layers next to the
+            targets that no name covers (``_refuse_unnamed_neighbours``); nothing is changed.
     """
-    present = {
-        name.rsplit(".", 1)[-1]
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear | LoRALinear)
-    }
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear | LoRALinear)]
+    present = {_leaf(name) for name in linears}
     chosen: list[str] = []
     for field, names in spec.requested(config).items():
+        _refuse_weights_outside_linears(model, field, names)
         found = [n for n in names if n in present]
         # a known family has all its names; the generic spec lists every family's names,
         # so there one name per kind is enough (a model has q_proj... or qkv_proj)
@@ -255,8 +258,57 @@ def select_targets(model: nn.Module, spec: FamilySpec, config: LoraConfig) -> tu
                 f"use a model of a supported family ({sorted(FAMILIES)})",
                 field=field,
             )
+        _refuse_unnamed_neighbours(linears, field, names, spec)
         chosen += found
     return tuple(chosen)
+
+
+def _refuse_weights_outside_linears(model: nn.Module, field: str, names: tuple[str, ...]) -> None:
+    """Refuse ``field`` when a parameter is named as one of its targets itself rather than
+    being a linear layer's ``weight``: the experts of a mixture-of-experts block, which
+    transformers 5 keeps as 3-D tensors (``mlp.experts.gate_up_proj``: Qwen2/3-MoE,
+    Mixtral, OLMoE, GPT-OSS, DeepSeek-V3). Qwen2-MoE's shared expert is a plain
+    ``gate_proj``/``up_proj``/``down_proj`` beside them, which alone would have made an
+    adapter of one expert in dozens."""
+    outside = [name for name, _ in model.named_parameters() if _leaf(name) in names]
+    if outside:
+        raise InvalidInputError(
+            f"{field}: true, but this model keeps {_listed(outside)} as tensors outside linear layers "
+            "(a mixture-of-experts block's experts), which TRIO's LoRA does not adapt; set "
+            f"{field}=false to adapt the other kinds of layers",
+            field=field,
+        )
+
+
+def _refuse_unnamed_neighbours(linears: list[str], field: str, names: tuple[str, ...], spec: FamilySpec) -> None:
+    """Refuse ``field`` when a module holding some of its targets also holds linear layers
+    that no name of the spec covers: DeepSeek's latent attention has ``kv_a_proj_with_mqa``
+    and ``kv_b_proj`` next to ``q_proj`` and ``o_proj``."""
+    holders = {_parent(name) for name in linears if _leaf(name) in names}
+    beside = [name for name in linears if _parent(name) in holders]
+    unnamed = [name for name in beside if _leaf(name) not in spec.all_targets()]
+    if unnamed:
+        targets = sorted({_leaf(name) for name in beside if _leaf(name) in names})
+        raise InvalidInputError(
+            f"{field}: true, but next to its layers {targets} this model has the linear layers "
+            f"{_listed(unnamed)}, which the {spec.name} spec does not name, so an adapter would leave "
+            f"them out; set {field}=false or add a FamilySpec for this model in trio_engine/model.py",
+            field=field,
+        )
+
+
+def _leaf(name: str) -> str:
+    return name.rpartition(".")[2]
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _listed(names: list[str], most: int = 3) -> str:
+    """Up to ``most`` names, and how many more."""
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 class Head(nn.Module):

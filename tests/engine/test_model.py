@@ -3,12 +3,13 @@
 Parity of every family against transformers and peft is in test_host / test_checkpoint /
 test_sampler (the ``family_host`` fixture)."""
 
+import random
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from trio_engine import InvalidInputError, LoraConfig, ModelNotAvailableError
+from trio_engine import ForwardJob, InvalidInputError, LoraConfig, ModelHost, ModelNotAvailableError
 from trio_engine.lora import adapter_tensors
 from trio_engine.model import (
     FAMILIES,
@@ -19,6 +20,15 @@ from trio_engine.model import (
     check_plain_head,
     family_of,
     select_targets,
+)
+
+from .helpers import (
+    QWEN3_MOE,
+    TEST_CATALOG,
+    merged_model,
+    random_example,
+    randomize_adapter,
+    reference_logprobs,
 )
 
 
@@ -60,6 +70,70 @@ def test_an_unknown_family_with_a_logit_transform_is_refused():
         check_head(GENERIC, SimpleNamespace(model_type="mystery", logit_scale=0.5, logits_scaling=None))
     check_head(GENERIC, SimpleNamespace(model_type="mystery", logits_scaling=None))
     check_head(FAMILIES["cohere"], SimpleNamespace(model_type="cohere", logit_scale=0.5))
+
+
+def _tiny_from_config(model_type: str, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, **overrides)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+MOE = {  # transformers 5 keeps each block's experts as 3-D tensors, not linear layers
+    # its shared expert is a plain gate_proj / up_proj / down_proj: matching those names
+    # alone once made an adapter of one expert in dozens
+    "qwen2_moe": dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MOE))
+def test_mixture_of_experts_mlps_are_refused_and_the_other_kinds_kept(model_type):
+    model = _tiny_from_config(model_type, **MOE[model_type])
+    spec = family_of(model.config)
+    with pytest.raises(InvalidInputError, match=r"train_mlp: true, .*model.layers.0.mlp.experts.gate_up_proj, "
+                                                r".* outside linear layers .*set train_mlp=false") as err:
+        select_targets(model, spec, LoraConfig())
+    assert err.value.field == "train_mlp"
+    assert select_targets(model, spec, LoraConfig(train_mlp=False)) == ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                        "lm_head")
+
+
+def test_linear_layers_beside_the_targets_that_no_name_covers_are_refused():
+    """DeepSeek-V3's latent attention: q_proj and o_proj are names the specs know, its
+    kv_a_proj_with_mqa and kv_b_proj are not; adapting the first two alone would be a
+    partial adapter."""
+    model = _tiny_from_config("deepseek_v3", moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                              first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
+                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    with pytest.raises(InvalidInputError, match=r"train_attn: true, but next to its layers \['o_proj', 'q_proj'\] "
+                                                r".*self_attn.kv_a_proj_with_mqa, .*kv_b_proj") as err:
+        select_targets(model, GENERIC, LoraConfig(train_mlp=False))
+    assert err.value.field == "train_attn"
+    with pytest.raises(InvalidInputError, match="train_mlp: true, .*layers.1.mlp.experts.gate_up_proj"):
+        select_targets(model, GENERIC, LoraConfig(train_attn=False))
+    assert select_targets(model, GENERIC, LoraConfig(train_attn=False, train_mlp=False)) == ("lm_head",)
+
+
+def test_a_mixture_of_experts_model_trains_its_attention_exactly(new_id):
+    """Tiny Qwen3-MoE through the host: the default adapter is refused, adding nothing; an
+    attention + head adapter gives the logprobs of plain transformers with it merged."""
+    host = ModelHost(QWEN3_MOE.name, dtype="float32", catalog=TEST_CATALOG)
+    aid = new_id()
+    with pytest.raises(InvalidInputError, match="train_mlp: true, .*experts"):
+        host.create_adapter(aid, LoraConfig(rank=4))
+    assert host.adapters == {}
+    host.create_adapter(aid, LoraConfig(rank=4, seed=3, train_mlp=False))
+    randomize_adapter(host, aid, seed=6, scale=0.1)
+    data = [random_example(host.vocab_size, n, random.Random(n)) for n in (5, 17)]
+    result = host.forward([ForwardJob(aid, data)])[0]
+    reference = merged_model(host, aid)
+    for example, logprobs in zip(data, result.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(logprobs), reference_logprobs(
+            reference, example.tokens, example.inputs["target_tokens"]), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("multiplier", [8.0, 1.0])
