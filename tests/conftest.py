@@ -39,7 +39,7 @@ class _Errors(logging.Handler):
 
 @pytest.fixture(autouse=True)
 def no_co_batch_bug(request):
-    """Fails a test in which a co-batched pass raised where each of its jobs alone ran: the
+    """Fails a test in which a co-batched pass raised what none of its jobs alone did: the
     engine hides such a bug from users (their answers come from the jobs run one at a
     time) and only logs it (``trio_engine.host._report_co_batch_bug``). A test that makes
     one on purpose is marked ``co_batch_bug``."""
@@ -55,7 +55,7 @@ def no_co_batch_bug(request):
 
         bugs = [r.getMessage() for r in errors.records if getattr(r, CO_BATCH_BUG, False)]
         if bugs:
-            pytest.fail(f"co-batching failed where each job alone ran: {bugs}")
+            pytest.fail(f"a co-batched pass failed where its jobs alone did not fail that way: {bugs}")
 
 
 @pytest.fixture

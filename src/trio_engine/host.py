@@ -329,7 +329,7 @@ class ModelHost:
             if len(jobs) == 1:  # that pass was the job alone: its error is known, no second run
                 return [_non_finite(jobs[0], results[0]) or results[0]]
             outcomes = [self._alone(job, backward) for job in jobs]
-            if shared_error is not None and not any(isinstance(o, Exception) for o in outcomes):
+            if shared_error is not None and not _fails_alike(shared_error, outcomes):
                 _report_co_batch_bug(shared_error, jobs)
             return outcomes
 
@@ -736,14 +736,21 @@ def _adapters_of(jobs: list[ForwardJob]) -> set[str]:
 CO_BATCH_BUG = "trio_co_batch_bug"  # set on the log record of ``_report_co_batch_bug``
 
 
+def _fails_alike(error: Exception, outcomes: list[ForwardResult | Exception]) -> bool:
+    """Whether a job run alone raised what the shared pass raised (the same exception type):
+    then that job's own data or loss explains the shared pass's failure. A job failing
+    otherwise (its own NaN, say) leaves the shared pass's error unexplained."""
+    return any(type(outcome) is type(error) for outcome in outcomes)
+
+
 def _report_co_batch_bug(error: Exception, jobs: list[ForwardJob]) -> None:
-    """A shared pass raised where each of its jobs alone ran: a bug of the engine's
+    """A shared pass raised what none of its jobs alone did: a bug of the engine's
     co-batching (packing, routing), not of anyone's data. The answers stay right (each came
     from its job alone), so only this error log shows it, with the pass's traceback; the
     tests fail on such a record (``tests/conftest.py``)."""
     runs = sorted({str(job.adapter_id) for job in jobs})
-    log.error("a co-batched pass of %d jobs (runs %s) raised, but each job alone ran: an engine bug "
-              "in co-batching; the answers came from the jobs run one at a time", len(jobs), ", ".join(runs),
+    log.error("a co-batched pass of %d jobs (runs %s) raised, but no job alone failed that way: an engine "
+              "bug in co-batching; the answers came from the jobs run one at a time", len(jobs), ", ".join(runs),
               exc_info=error, extra={CO_BATCH_BUG: True})
 
 

@@ -262,6 +262,41 @@ def test_a_co_batched_pass_that_fails_where_its_jobs_alone_run_is_logged(tiny_ho
         tiny_host.delete_adapter(aid)
 
 
+@pytest.mark.co_batch_bug
+@pytest.mark.parametrize("alone_error", [ValueError, RuntimeError])
+def test_a_job_failing_alone_explains_a_shared_failure_only_when_it_fails_alike(tiny_host, new_id, monkeypatch,
+                                                                               caplog, alone_error):
+    """The shared pass raises RuntimeError; one job alone fails too. If it fails otherwise
+    (ValueError), its failure does not explain the shared pass's: still a co-batching bug,
+    logged. If it raises the same, its own data may be why: not logged. Either way that job
+    gets its own error and the other its answer."""
+    from trio_engine.host import CO_BATCH_BUG
+
+    a, b = new_id(), new_id()
+    for aid in (a, b):
+        tiny_host.create_adapter(aid, LoraConfig(rank=4))
+    rng = random.Random(5)
+    jobs = [ForwardJob(a, [random_example(tiny_host.vocab_size, 7, rng)]),
+            ForwardJob(b, [random_example(tiny_host.vocab_size, 4, rng)])]
+    run = tiny_host._run
+
+    def failing(batch, backward):
+        if len(batch) > 1:
+            raise RuntimeError("packing went wrong")
+        if batch[0].adapter_id == b:
+            raise alone_error("b's own failure")
+        return run(batch, backward)
+
+    monkeypatch.setattr(tiny_host, "_run", failing)
+    with caplog.at_level("ERROR", logger="trio.engine"):
+        got_a, got_b = tiny_host.forward_backward(jobs)
+    assert got_a.logprobs and isinstance(got_b, alone_error) and "b's own failure" in str(got_b)
+    reports = [r for r in caplog.records if getattr(r, CO_BATCH_BUG, False)]
+    assert len(reports) == (alone_error is ValueError)
+    for aid in (a, b):
+        tiny_host.delete_adapter(aid)
+
+
 def test_gradient_matches_autograd_on_plain_formula(tiny_host, new_id):
     """dL/dB of cross-entropy equals autograd through a hand-built W0 + (α/r)·B·A model."""
     aid = new_id()
