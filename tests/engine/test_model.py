@@ -26,6 +26,7 @@ from .helpers import (
     QWEN3_MOE,
     TEST_CATALOG,
     merged_model,
+    plain_model,
     random_example,
     randomize_adapter,
     reference_logprobs,
@@ -118,9 +119,11 @@ def test_linear_layers_beside_the_targets_that_no_name_covers_are_refused():
     assert select_targets(model, GENERIC, LoraConfig(train_attn=False, train_mlp=False)) == ("lm_head",)
 
 
-def test_a_mixture_of_experts_model_trains_its_attention_exactly(new_id):
+def test_a_mixture_of_experts_model_trains_its_attention_exactly(new_id, tmp_path):
     """Tiny Qwen3-MoE through the host: the default adapter is refused, adding nothing; an
-    attention + head adapter gives the logprobs of plain transformers with it merged."""
+    attention + head adapter gives the logprobs of plain transformers with it merged, and
+    peft loading its sampler weights gives them too, as does our loader reading them back."""
+    peft = pytest.importorskip("peft")
     host = ModelHost(QWEN3_MOE.name, dtype="float32", catalog=TEST_CATALOG)
     aid = new_id()
     with pytest.raises(InvalidInputError, match="train_mlp: true, .*experts"):
@@ -131,9 +134,17 @@ def test_a_mixture_of_experts_model_trains_its_attention_exactly(new_id):
     data = [random_example(host.vocab_size, n, random.Random(n)) for n in (5, 17)]
     result = host.forward([ForwardJob(aid, data)])[0]
     reference = merged_model(host, aid)
-    for example, logprobs in zip(data, result.logprobs, strict=True):
-        torch.testing.assert_close(torch.tensor(logprobs), reference_logprobs(
-            reference, example.tokens, example.inputs["target_tokens"]), atol=1e-5, rtol=1e-5)
+    host.save_sampler_weights(aid, tmp_path)
+    host.load_sampler_weights(aid + "-back", str(tmp_path))
+    with_peft = peft.PeftModel.from_pretrained(plain_model(QWEN3_MOE.name), str(tmp_path))
+    back = host.forward([ForwardJob(aid + "-back", data)])[0]
+    for k, (example, logprobs) in enumerate(zip(data, result.logprobs, strict=True)):
+        for model in (reference, with_peft):
+            torch.testing.assert_close(torch.tensor(logprobs), reference_logprobs(
+                model, example.tokens, example.inputs["target_tokens"]), atol=1e-5, rtol=1e-5)
+        assert back.logprobs[k] == logprobs
+    assert not torch.allclose(torch.tensor(result.logprobs[1]), reference_logprobs(  # the adapter matters
+        plain_model(QWEN3_MOE.name), data[1].tokens, data[1].inputs["target_tokens"]), atol=1e-3)
 
 
 @pytest.mark.parametrize("multiplier", [8.0, 1.0])
