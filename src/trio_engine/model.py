@@ -244,9 +244,12 @@ def select_targets(model: nn.Module, spec: FamilySpec, config: LoraConfig) -> tu
     """
     linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear | LoRALinear)]
     present = {_leaf(name) for name in linears}
+    parts = _text_parts(model)
+    text_linears = [name for name in linears if _within(name, parts)]
+    text_params = [name for name, _ in model.named_parameters() if _within(name, parts)]
     chosen: list[str] = []
     for field, names in spec.requested(config).items():
-        _refuse_weights_outside_linears(model, field, names)
+        _refuse_weights_outside_linears(text_params, field, names)
         found = [n for n in names if n in present]
         # a known family has all its names; the generic spec lists every family's names,
         # so there one name per kind is enough (a model has q_proj... or qkv_proj)
@@ -258,19 +261,35 @@ def select_targets(model: nn.Module, spec: FamilySpec, config: LoraConfig) -> tu
                 f"use a model of a supported family ({sorted(FAMILIES)})",
                 field=field,
             )
-        _refuse_unnamed_neighbours(linears, field, names, spec)
+        _refuse_unnamed_neighbours(text_linears, field, names, spec)
         chosen += found
     return tuple(chosen)
 
 
-def _refuse_weights_outside_linears(model: nn.Module, field: str, names: tuple[str, ...]) -> None:
+def _text_parts(model: nn.Module) -> list[str]:
+    """The module paths of what a text forward runs, its decoder and its head, which is
+    where a partial adapter matters: a multimodal model's vision tower never runs here (a
+    Gemma 3's has ``out_proj`` next to ``q_proj``, and LoRA on its ``q_proj`` just stays
+    zero). The whole model (``""``) when it has no decoder to ask for."""
+    get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+    if not (callable(get_decoder) and callable(get_head)):
+        return [""]
+    wanted = {id(get_decoder()), id(get_head())}
+    return [name for name, module in model.named_modules() if id(module) in wanted]
+
+
+def _within(name: str, parts: list[str]) -> bool:
+    return any(not part or name == part or name.startswith(part + ".") for part in parts)
+
+
+def _refuse_weights_outside_linears(params: list[str], field: str, names: tuple[str, ...]) -> None:
     """Refuse ``field`` when a parameter is named as one of its targets itself rather than
     being a linear layer's ``weight``: the experts of a mixture-of-experts block, which
     transformers 5 keeps as 3-D tensors (``mlp.experts.gate_up_proj``: Qwen2/3-MoE,
     Mixtral, OLMoE, GPT-OSS, DeepSeek-V3). Qwen2-MoE's shared expert is a plain
     ``gate_proj``/``up_proj``/``down_proj`` beside them, which alone would have made an
     adapter of one expert in dozens."""
-    outside = [name for name, _ in model.named_parameters() if _leaf(name) in names]
+    outside = [name for name in params if _leaf(name) in names]
     if outside:
         raise InvalidInputError(
             f"{field}: true, but this model keeps {_listed(outside)} as tensors outside linear layers "

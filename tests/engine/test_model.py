@@ -119,6 +119,25 @@ def test_linear_layers_beside_the_targets_that_no_name_covers_are_refused():
     assert select_targets(model, GENERIC, LoraConfig(train_attn=False, train_mlp=False)) == ("lm_head",)
 
 
+def test_a_vision_tower_that_a_text_forward_never_runs_is_not_checked():
+    """Multimodal Gemma 3 loads as Gemma3ForConditionalGeneration: its vision tower has
+    ``out_proj`` next to ``q_proj``, but only the language model and the head run here, so
+    the adapter is whole where it matters and is made."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gemma3", mm_tokens_per_image=4,
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14))
+    model = AutoModelForCausalLM.from_config(config)
+    assert any(name.endswith("vision_tower.encoder.layers.0.self_attn.out_proj")
+               for name, _ in model.named_modules())
+    assert select_targets(model, family_of(config), LoraConfig()) == (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
 def test_a_mixture_of_experts_model_trains_its_attention_exactly(new_id, tmp_path):
     """Tiny Qwen3-MoE through the host: the default adapter is refused, adding nothing; an
     attention + head adapter gives the logprobs of plain transformers with it merged, and
