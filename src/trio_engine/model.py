@@ -33,11 +33,13 @@ the model's dtype, which is the same for fp32 models and slightly less exact for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from .catalog import ModelNotAvailableError
 from .errors import InvalidInputError
@@ -242,14 +244,14 @@ def select_targets(model: nn.Module, spec: FamilySpec, config: LoraConfig) -> tu
             layers (``_refuse_weights_outside_linears``), or linear layers next to the
             targets that no name covers (``_refuse_unnamed_neighbours``); nothing is changed.
     """
-    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear | LoRALinear)]
+    in_text = _text_forward_filter(model)
+    linears = [name for name, module in model.named_modules()
+               if isinstance(module, nn.Linear | LoRALinear) and in_text(name)]
     present = {_leaf(name) for name in linears}
-    parts = _text_parts(model)
-    text_linears = [name for name in linears if _within(name, parts)]
-    text_params = [name for name, _ in model.named_parameters() if _within(name, parts)]
+    params = [name for name, _ in model.named_parameters() if in_text(name)]
     chosen: list[str] = []
     for field, names in spec.requested(config).items():
-        _refuse_weights_outside_linears(text_params, field, names)
+        _refuse_weights_outside_linears(params, field, names)
         found = [n for n in names if n in present]
         # a known family has all its names; the generic spec lists every family's names,
         # so there one name per kind is enough (a model has q_proj... or qkv_proj)
@@ -261,21 +263,30 @@ def select_targets(model: nn.Module, spec: FamilySpec, config: LoraConfig) -> tu
                 f"use a model of a supported family ({sorted(FAMILIES)})",
                 field=field,
             )
-        _refuse_unnamed_neighbours(text_linears, field, names, spec)
+        _refuse_unnamed_neighbours(linears, field, names, spec)
         chosen += found
     return tuple(chosen)
 
 
-def _text_parts(model: nn.Module) -> list[str]:
-    """The module paths of what a text forward runs, its decoder and its head, which is
-    where a partial adapter matters: a multimodal model's vision tower never runs here (a
-    Gemma 3's has ``out_proj`` next to ``q_proj``, and LoRA on its ``q_proj`` just stays
-    zero). The whole model (``""``) when it has no decoder to ask for."""
+def _text_forward_filter(model: nn.Module) -> Callable[[str], bool]:
+    """Whether a module or parameter path is in what a text forward runs: the decoder and
+    the head, less any other model nested in the decoder. That is where a partial adapter
+    matters: a multimodal model's vision tower never runs here (Gemma 3's, beside the
+    decoder, or Phi-4-multimodal's image and audio encoders, inside its embedding), and
+    LoRA on its ``q_proj`` just stays zero. Everything, when the model has no decoder and
+    head to ask for."""
     get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
     if not (callable(get_decoder) and callable(get_head)):
-        return [""]
-    wanted = {id(get_decoder()), id(get_head())}
-    return [name for name, module in model.named_modules() if id(module) in wanted]
+        return lambda name: True
+    decoder, head = get_decoder(), get_head()
+    paths = {id(module): name for name, module in model.named_modules()}
+    if id(decoder) not in paths:
+        return lambda name: True
+    parts = [paths[id(m)] for m in (decoder, head) if id(m) in paths]
+    prefix = paths[id(decoder)] + "." if paths[id(decoder)] else ""
+    nested = [prefix + name for name, module in decoder.named_modules()
+              if name and isinstance(module, PreTrainedModel)]
+    return lambda name: _within(name, parts) and not _within(name, nested)
 
 
 def _within(name: str, parts: list[str]) -> bool:
@@ -311,7 +322,7 @@ def _refuse_unnamed_neighbours(linears: list[str], field: str, names: tuple[str,
         raise InvalidInputError(
             f"{field}: true, but next to its layers {targets} this model has the linear layers "
             f"{_listed(unnamed)}, which the {spec.name} spec does not name, so an adapter would leave "
-            f"them out; set {field}=false or add a FamilySpec for this model in trio_engine/model.py",
+            f"them out; set {field}=false, or name them in this model's FamilySpec (trio_engine/model.py)",
             field=field,
         )
 
@@ -324,10 +335,10 @@ def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def _listed(names: list[str], most: int = 3) -> str:
-    """Up to ``most`` names, and how many more."""
-    shown = ", ".join(names[:most])
-    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+def _listed(paths: list[str]) -> str:
+    """The distinct layer names among ``paths``, and where the first is."""
+    names = list(dict.fromkeys(_leaf(path) for path in paths))
+    return f"{names} (e.g. {paths[0]})"
 
 
 class Head(nn.Module):

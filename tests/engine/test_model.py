@@ -95,8 +95,9 @@ MOE = {  # transformers 5 keeps each block's experts as 3-D tensors, not linear 
 def test_mixture_of_experts_mlps_are_refused_and_the_other_kinds_kept(model_type):
     model = _tiny_from_config(model_type, **MOE[model_type])
     spec = family_of(model.config)
-    with pytest.raises(InvalidInputError, match=r"train_mlp: true, .*model.layers.0.mlp.experts.gate_up_proj, "
-                                                r".* outside linear layers .*set train_mlp=false") as err:
+    with pytest.raises(InvalidInputError, match=r"train_mlp: true, .* \['gate_up_proj', 'down_proj'\] \(e.g. "
+                                                r"model.layers.0.mlp.experts.gate_up_proj\) as tensors outside "
+                                                r"linear layers .*set train_mlp=false") as err:
         select_targets(model, spec, LoraConfig())
     assert err.value.field == "train_mlp"
     assert select_targets(model, spec, LoraConfig(train_mlp=False)) == ("q_proj", "k_proj", "v_proj", "o_proj",
@@ -111,10 +112,11 @@ def test_linear_layers_beside_the_targets_that_no_name_covers_are_refused():
                               first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
     with pytest.raises(InvalidInputError, match=r"train_attn: true, but next to its layers \['o_proj', 'q_proj'\] "
-                                                r".*self_attn.kv_a_proj_with_mqa, .*kv_b_proj") as err:
+                                                r".* \['kv_a_proj_with_mqa', 'kv_b_proj'\] \(e.g. "
+                                                r"model.layers.0.self_attn.kv_a_proj_with_mqa\)") as err:
         select_targets(model, GENERIC, LoraConfig(train_mlp=False))
     assert err.value.field == "train_attn"
-    with pytest.raises(InvalidInputError, match="train_mlp: true, .*layers.1.mlp.experts.gate_up_proj"):
+    with pytest.raises(InvalidInputError, match=r"train_mlp: true, .*\(e.g. model.layers.1.mlp.experts.gate_up_proj\)"):
         select_targets(model, GENERIC, LoraConfig(train_attn=False))
     assert select_targets(model, GENERIC, LoraConfig(train_attn=False, train_mlp=False)) == ("lm_head",)
 
@@ -135,6 +137,21 @@ def test_a_vision_tower_that_a_text_forward_never_runs_is_not_checked():
     assert any(name.endswith("vision_tower.encoder.layers.0.self_attn.out_proj")
                for name, _ in model.named_modules())
     assert select_targets(model, family_of(config), LoraConfig()) == (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def test_a_model_nested_in_the_decoder_is_not_checked():
+    """Phi-4-multimodal keeps its image and audio encoders inside its decoder's embedding
+    (``model.embed_tokens_extend``); such an encoder is a model of its own, which a text
+    forward does not run. (A tiny Phi-4-multimodal has full-size encoders: here a tiny
+    Siglip encoder, whose attention has ``out_proj`` next to ``q_proj``, sits in a tiny
+    Llama's decoder the same way.)"""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    model = _tiny_from_config("llama")
+    model.model.embed_tokens_extend = SiglipVisionModel(SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
+    assert select_targets(model, family_of(model.config), LoraConfig()) == (
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
