@@ -305,7 +305,8 @@ class ModelHost:
         outcome and adds no gradient; the others' outcomes and grads are then exactly those
         of each job run alone: every grad goes back to where it was before the call and
         each job runs again on its own. Invalid jobs raise before anything runs. A shared
-        pass that raises where every job alone runs is an engine bug: logged as an error.
+        pass that raises what no job alone raises is an engine bug: logged as an error
+        (``_report_co_batch_bug``).
         """
         return self._isolated(jobs, backward=True)
 
