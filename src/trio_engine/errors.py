@@ -15,6 +15,11 @@ class InvalidInputError(ValueError):
         self.field = field
 
 
+class NonFiniteLossError(InvalidInputError):
+    """A datum's loss came out NaN or infinite: found after a pass rather than raised in
+    it, so told apart from the errors a pass raises (``host._fails_alike``)."""
+
+
 class AdapterNotFoundError(KeyError):
     """The adapter id names no adapter on this host."""
 

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint as recompute_in_backward
 from . import attention, checkpoint, lora, sampler
 from .catalog import DEFAULT_MODEL, Catalog, load_model_and_tokenizer
 from .device import DTYPES, resolve_device, resolve_dtype
-from .errors import AdapterNotFoundError, InvalidInputError
+from .errors import AdapterNotFoundError, InvalidInputError, NonFiniteLossError
 from .losses import LOSSES, OPTIONAL_INPUTS
 from .model import Head, check_head, check_plain_head, context_of, family_of, select_targets
 from .optim import AdamConfig, AdamState, adamw_step
@@ -740,7 +740,8 @@ CO_BATCH_BUG = "trio_co_batch_bug"  # set on the log record of ``_report_co_batc
 def _fails_alike(error: Exception, outcomes: list[ForwardResult | Exception]) -> bool:
     """Whether a job run alone raised what the shared pass raised (the same exception type):
     then that job's own data or loss explains the shared pass's failure. A job failing
-    otherwise (its own NaN, say) leaves the shared pass's error unexplained."""
+    otherwise (its own NaN, a ``NonFiniteLossError`` found after its pass) leaves the shared
+    pass's error unexplained."""
     return any(type(outcome) is type(error) for outcome in outcomes)
 
 
@@ -755,14 +756,14 @@ def _report_co_batch_bug(error: Exception, jobs: list[ForwardJob]) -> None:
               exc_info=error, extra={CO_BATCH_BUG: True})
 
 
-def _non_finite(job: ForwardJob, result: ForwardResult) -> InvalidInputError | None:
+def _non_finite(job: ForwardJob, result: ForwardResult) -> NonFiniteLossError | None:
     """The error for the first datum whose loss is NaN or infinite (naming its inputs there)."""
     for i, losses in enumerate(result.elementwise_loss):
         t = next((t for t, v in enumerate(losses) if not math.isfinite(v)), None)
         if t is not None:
             ex = job.examples[i]
             values = {name: ex.inputs[name][t] for name in sorted(ex.inputs)}
-            return InvalidInputError(
+            return NonFiniteLossError(
                 f"data[{i}]: loss_fn {job.loss_fn!r} gave a non-finite loss ({losses[t]}) at token {t}, "
                 f"where loss_fn_inputs are {values}; nothing was added to the gradients",
                 i, "loss_fn_inputs")

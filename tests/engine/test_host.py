@@ -263,13 +263,15 @@ def test_a_co_batched_pass_that_fails_where_its_jobs_alone_run_is_logged(tiny_ho
 
 
 @pytest.mark.co_batch_bug
-@pytest.mark.parametrize("alone_error", [ValueError, RuntimeError])
+@pytest.mark.parametrize(("shared_error", "alone_error", "logged"), [
+    (RuntimeError, ValueError, True), (RuntimeError, RuntimeError, False), (InvalidInputError, "nan", True)])
 def test_a_job_failing_alone_explains_a_shared_failure_only_when_it_fails_alike(tiny_host, new_id, monkeypatch,
-                                                                               caplog, alone_error):
-    """The shared pass raises RuntimeError; one job alone fails too. If it fails otherwise
-    (ValueError), its failure does not explain the shared pass's: still a co-batching bug,
-    logged. If it raises the same, its own data may be why: not logged. Either way that job
-    gets its own error and the other its answer."""
+                                                                               caplog, shared_error, alone_error,
+                                                                               logged):
+    """The shared pass raises; one job alone fails too. If it fails otherwise (another
+    exception type, or a NaN loss found after its pass), its failure does not explain the
+    shared pass's: still a co-batching bug, logged. If it raises the same, its own data may
+    be why: not logged. Either way that job gets its own error and the other its answer."""
     from trio_engine.host import CO_BATCH_BUG
 
     a, b = new_id(), new_id()
@@ -282,17 +284,24 @@ def test_a_job_failing_alone_explains_a_shared_failure_only_when_it_fails_alike(
 
     def failing(batch, backward):
         if len(batch) > 1:
-            raise RuntimeError("packing went wrong")
+            raise shared_error("packing went wrong")
+        results = run(batch, backward)
         if batch[0].adapter_id == b:
-            raise alone_error("b's own failure")
-        return run(batch, backward)
+            if alone_error != "nan":
+                raise alone_error("b's own failure")
+            results[0].elementwise_loss[0][1] = math.nan
+        return results
 
     monkeypatch.setattr(tiny_host, "_run", failing)
     with caplog.at_level("ERROR", logger="trio.engine"):
         got_a, got_b = tiny_host.forward_backward(jobs)
-    assert got_a.logprobs and isinstance(got_b, alone_error) and "b's own failure" in str(got_b)
+    assert got_a.logprobs
+    if alone_error == "nan":
+        assert isinstance(got_b, InvalidInputError) and "non-finite loss" in str(got_b)
+    else:
+        assert isinstance(got_b, alone_error) and "b's own failure" in str(got_b)
     reports = [r for r in caplog.records if getattr(r, CO_BATCH_BUG, False)]
-    assert len(reports) == (alone_error is ValueError)
+    assert len(reports) == logged
     for aid in (a, b):
         tiny_host.delete_adapter(aid)
 
