@@ -241,8 +241,10 @@ def select_targets(model: nn.Module, spec: FamilySpec, config: LoraConfig) -> tu
         InvalidInputError: a kind of layer the config asks for (train_attn, train_mlp,
             train_unembed) matches no linear layer of the model, or only part of that kind:
             a known family missing one of its names, weights of that kind outside linear
-            layers (``_refuse_weights_outside_linears``), or linear layers next to the
-            targets that no name covers (``_refuse_unnamed_neighbours``); nothing is changed.
+            layers (``_refuse_weights_outside_linears``), linear layers next to the
+            targets that no name covers (``_refuse_unnamed_neighbours``), or layers of the
+            model without any of its targets (``_refuse_layers_without``); nothing is
+            changed.
     """
     in_text = _text_forward_filter(model)
     linears = [name for name, module in model.named_modules()
@@ -264,6 +266,7 @@ def select_targets(model: nn.Module, spec: FamilySpec, config: LoraConfig) -> tu
                 field=field,
             )
         _refuse_unnamed_neighbours(linears, field, names, spec)
+        _refuse_layers_without(linears, field, names)
         chosen += found
     return tuple(chosen)
 
@@ -325,6 +328,38 @@ def _refuse_unnamed_neighbours(linears: list[str], field: str, names: tuple[str,
             f"them out; set {field}=false, or name them in this model's FamilySpec (trio_engine/model.py)",
             field=field,
         )
+
+
+def _refuse_layers_without(linears: list[str], field: str, names: tuple[str, ...]) -> None:
+    """Refuse ``field`` when some of the model's numbered layers hold its targets and others
+    hold linear layers but none of them: a hybrid model whose other layers mix tokens by
+    another mechanism (Qwen3-Next's linear attention, in three layers of four) would get
+    LoRA on part of its layers only. A layer is a path's part up to its first number
+    (``model.layers.3``)."""
+    has_target: dict[str, bool] = {}
+    for name in linears:
+        layer = _layer_of(name)
+        if layer is not None:
+            has_target[layer] = has_target.get(layer, False) or _leaf(name) in names
+    without = [layer for layer, has in has_target.items() if not has]
+    if without and len(without) < len(has_target):
+        raise InvalidInputError(
+            f"{field}: true, but {len(without)} of this model's {len(has_target)} layers ({_listed_layers(without)}) "
+            f"have none of {list(names)}, so an adapter would cover the other layers only; set {field}=false",
+            field=field,
+        )
+
+
+def _layer_of(path: str) -> str | None:
+    """``path`` up to and including its first numbered part (None: it has none)."""
+    parts = path.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return None if index is None else ".".join(parts[:index + 1])
+
+
+def _listed_layers(layers: list[str], most: int = 4) -> str:
+    shown = ", ".join(layers[:most])
+    return shown + (f" and {len(layers) - most} more" if len(layers) > most else "")
 
 
 def _leaf(name: str) -> str:

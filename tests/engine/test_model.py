@@ -76,8 +76,9 @@ def test_an_unknown_family_with_a_logit_transform_is_refused():
 def _tiny_from_config(model_type: str, **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, **overrides)
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)
+    config = AutoConfig.for_model(model_type, **{**sizes, **overrides})
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)
 
@@ -119,6 +120,24 @@ def test_linear_layers_beside_the_targets_that_no_name_covers_are_refused():
     with pytest.raises(InvalidInputError, match=r"train_mlp: true, .*\(e.g. model.layers.1.mlp.experts.gate_up_proj\)"):
         select_targets(model, GENERIC, LoraConfig(train_attn=False))
     assert select_targets(model, GENERIC, LoraConfig(train_attn=False, train_mlp=False)) == ("lm_head",)
+
+
+def test_a_hybrid_whose_other_layers_hold_no_attention_target_is_refused():
+    """Qwen3-Next runs linear attention (``linear_attn.in_proj_qkvz``...) in three layers of
+    four: LoRA on q/k/v/o would adapt one layer in four. Falcon-H1 runs attention and a
+    Mamba mixer side by side in every layer: each layer has its attention targets."""
+    model = _tiny_from_config("qwen3_next", num_hidden_layers=4, moe_intermediate_size=16, num_experts=4,
+                              num_experts_per_tok=2, linear_num_value_heads=2, linear_num_key_heads=2,
+                              linear_key_head_dim=8, linear_value_head_dim=8)
+    with pytest.raises(InvalidInputError, match=r"train_attn: true, but 3 of this model's 4 layers \(model.layers.0, "
+                                                r"model.layers.1, model.layers.2\) have none of \['q_proj', ") as err:
+        select_targets(model, GENERIC, LoraConfig(train_mlp=False))
+    assert err.value.field == "train_attn"
+    assert select_targets(model, GENERIC, LoraConfig(train_attn=False, train_mlp=False)) == ("lm_head",)
+    parallel = _tiny_from_config("falcon_h1", mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_d_state=8,
+                                 mamba_n_groups=1)
+    assert select_targets(parallel, GENERIC, LoraConfig(train_mlp=False)) == ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                              "lm_head")
 
 
 def test_a_vision_tower_that_a_text_forward_never_runs_is_not_checked():
