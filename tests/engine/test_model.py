@@ -83,6 +83,7 @@ def _tiny_from_config(model_type: str, **overrides):
     return AutoModelForCausalLM.from_config(config)
 
 
+FALCON_H1_MAMBA = dict(mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)
 MOE = {  # transformers 5 keeps each block's experts as 3-D tensors, not linear layers
     # its shared expert is a plain gate_proj / up_proj / down_proj: matching those names
     # alone once made an adapter of one expert in dozens
@@ -134,8 +135,7 @@ def test_a_hybrid_whose_other_layers_hold_no_attention_target_is_refused():
         select_targets(model, GENERIC, LoraConfig(train_mlp=False))
     assert err.value.field == "train_attn"
     assert select_targets(model, GENERIC, LoraConfig(train_attn=False, train_mlp=False)) == ("lm_head",)
-    parallel = _tiny_from_config("falcon_h1", mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_d_state=8,
-                                 mamba_n_groups=1)
+    parallel = _tiny_from_config("falcon_h1", **FALCON_H1_MAMBA)
     assert select_targets(parallel, GENERIC, LoraConfig(train_mlp=False)) == ("q_proj", "k_proj", "v_proj", "o_proj",
                                                                               "lm_head")
 
@@ -206,14 +206,7 @@ def test_a_mixture_of_experts_model_trains_its_attention_exactly(new_id, tmp_pat
 def test_an_unknown_family_whose_forward_transforms_its_logits_is_refused(multiplier):
     """Falcon-H1 multiplies its logits by ``lm_head_multiplier``, a name ``check_head``
     does not know: the forward-vs-plain-head probe refuses it unless the factor is 1."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "falcon_h1", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, mamba_d_ssm=32, mamba_n_heads=2, mamba_d_head=16, mamba_d_state=8,
-        mamba_n_groups=1, lm_head_multiplier=multiplier)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = _tiny_from_config("falcon_h1", num_hidden_layers=1, **FALCON_H1_MAMBA, lm_head_multiplier=multiplier).eval()
     assert family_of(model.config) is GENERIC
     if multiplier == 1.0:
         check_plain_head(GENERIC, model)
