@@ -319,7 +319,8 @@ def _refuse_unnamed_neighbours(linears: list[str], field: str, names: tuple[str,
     and ``kv_b_proj`` next to ``q_proj`` and ``o_proj``."""
     holders = {_parent(name) for name in linears if _leaf(name) in names}
     beside = [name for name in linears if _parent(name) in holders]
-    unnamed = [name for name in beside if _leaf(name) not in spec.all_targets()]
+    known = set(spec.all_targets())
+    unnamed = [name for name in beside if _leaf(name) not in known]
     if unnamed:
         targets = sorted({_leaf(name) for name in beside if _leaf(name) in names})
         raise InvalidInputError(
