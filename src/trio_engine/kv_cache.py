@@ -7,7 +7,12 @@ layer's keys and values in buffers with room for more positions and writes new o
 place; a layer's ``keys`` and ``values`` are views of the filled part, so code written
 for ``DynamicCache`` reads them unchanged. fp32 decode steps of 8 rows ran 1.08x / 1.28-1.30x
 / 1.43-1.45x as fast at 256 / 1024 / 2048 cached tokens (``benchmarks/long_decode.py``).
-The sampler keeps ``DynamicCache`` in bf16 on the CPU (``sampler.kv_cache_class``).
+
+The room is zeros, and each view ``update`` returns knows its buffer (``buffer_of``): a
+bf16 decode step on the CPU multiplies by the whole buffers, whose unfilled positions it
+hides (``attention._over_buffers``), because batched matmuls ran 4-8x slower on the
+views than on contiguous keys (one row's keys do not follow the last's) and a copy per
+step is what this cache exists to avoid.
 
 A full buffer is replaced by one half again as long as needed (and at least ``MIN_ROOM``
 positions more), so over a long generation each position is copied two to three times
@@ -20,6 +25,7 @@ room included.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -27,6 +33,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 MIN_ROOM = 16  # positions of room a new buffer has at least
+_LAYER = "trio_kv_layer"  # the attribute by which update's views name their layer (``buffer_of``)
 
 
 def _dropping_buffers(name: str) -> property:
@@ -80,16 +87,34 @@ class GrowingLayer(DynamicLayer):
         """Point ``keys``/``values`` at the first ``length`` positions of ``buffers``, and
         keep those as the layer's."""
         views = (buffers[0][:, :, :length], buffers[1][:, :, :length])
+        for view in views:
+            setattr(view, _LAYER, weakref.ref(self))  # weak: the layer holds the views
         self.keys, self.values = views
         self._buffers = buffers
         return views
 
 
+def buffer_of(view: torch.Tensor) -> torch.Tensor | None:
+    """The whole buffer (B, heads, capacity, D) whose first positions are ``view``, while
+    ``view`` is a ``GrowingLayer``'s current keys or values: then every position past it
+    is zeros. None for any other tensor, an earlier step's view included (later steps
+    wrote past it), or one made from such a view."""
+    owner = getattr(view, _LAYER, None)
+    layer = owner() if owner is not None else None
+    if layer is None or layer._buffers is None:
+        return None
+    for current, buffer in zip((layer.keys, layer.values), layer._buffers, strict=True):
+        if current is view:
+            return buffer
+    return None
+
+
 def _with_room(filled: torch.Tensor, new: torch.Tensor, needed: int) -> torch.Tensor:
     """A buffer for ``needed`` positions and room beyond, holding ``filled`` (the layer's
-    keys or values so far, possibly empty) at its start; ``new`` gives the other dims."""
+    keys or values so far, possibly empty) at its start and zeros after it (``buffer_of``);
+    ``new`` gives the other dims."""
     batch, heads, _, dim = new.shape
-    buffer = new.new_empty(batch, heads, needed + max(needed // 2, MIN_ROOM), dim)
+    buffer = new.new_zeros(batch, heads, needed + max(needed // 2, MIN_ROOM), dim)
     if filled.numel():
         buffer[:, :, :filled.shape[-2]] = filled
     return buffer

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache
 
-from . import attention, lora
+from . import lora
 from .errors import InvalidInputError
 from .kv_cache import GrowingCache
 
@@ -281,7 +281,7 @@ class DecodeBatch:
         self.host = host
         # the KV cache of the batch and of each prefill (benchmarks/long_decode.py sets
         # transformers' own here to compare)
-        self.cache_class = kv_cache_class(host.model.dtype, host.device)
+        self.cache_class: type[DynamicCache] = GrowingCache
         self.prefix = prefix_cache if prefix_cache is not None and prefix_cache.max_bytes > 0 else None
         self.exact_reuse = host.model.dtype in (torch.float32, torch.float64)  # see "Seeds" above
         self.eos = _eos_ids(host)
@@ -485,18 +485,6 @@ def generate(host: SamplingHost, requests: list[SampleRequest],
     while len(batch):
         results.update(batch.step())
     return [results[k] for k in range(len(requests))]
-
-
-def kv_cache_class(dtype: torch.dtype, device: torch.device) -> type[DynamicCache]:
-    """The KV cache the sampler uses for a model of ``dtype`` on ``device``:
-    ``GrowingCache`` (no copy of the cache per step), except in bf16 on the CPU, where
-    decode attention takes ``attention.grouped``, whose batched matmuls ran 4-8x slower
-    on the views of a buffer with room (one row's keys not right after the last's) than
-    on contiguous keys: bf16 decode steps at 1024 cached tokens went 0.89x as fast as with
-    ``DynamicCache``'s copy, so there the copy stays."""
-    if attention.grouped_decodes(dtype, device):
-        return DynamicCache
-    return GrowingCache
 
 
 def _merge_caches(cache: DynamicCache, mask: torch.Tensor, new: DynamicCache, new_mask: torch.Tensor) -> torch.Tensor:

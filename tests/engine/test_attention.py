@@ -121,6 +121,32 @@ def test_attend_takes_the_grouped_path_for_a_bf16_decode_step(padding, grouped_c
     torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=0, atol=0.05)
 
 
+@pytest.mark.parametrize("padding", [False, True])
+def test_a_bf16_decode_step_over_the_samplers_kv_buffers_hides_their_room(padding, monkeypatch):
+    """The sampler's cache gives out views of buffers with room (``GrowingCache``); the step
+    reads the whole buffers, so it must hide the room: the same result, bit for bit, as
+    the same keys and values copied out, and room that were not hidden would weigh in."""
+    from trio_engine.kv_cache import GrowingCache, buffer_of
+
+    keys_read, real = [], attention.grouped
+    monkeypatch.setattr(attention, "grouped", lambda q, k, *rest: keys_read.append(k.shape[2]) or real(q, k, *rest))
+    cache = GrowingCache()
+    g = torch.Generator().manual_seed(1)
+    for length in (40, 1, 1):  # a prefill, then decode steps into its room
+        k, v = (torch.randn(2, 2, length, 8, generator=g).bfloat16() for _ in range(2))
+        keys, values = cache.update(k, v, 0)
+    assert buffer_of(keys).shape[2] > keys.shape[2]  # there is room to hide
+    q = torch.randn(2, 6, 1, 8, generator=g).bfloat16()
+    mask = None
+    if padding:
+        mask = torch.ones(2, 1, 1, keys.shape[2], dtype=torch.bool)
+        mask[0, ..., :3] = False
+    out, _ = attention.attend(_causal_module(), q, keys, values, mask, scaling=0.3)
+    copied, _ = attention.attend(_causal_module(), q, keys.clone(), values.clone(), mask, scaling=0.3)
+    assert keys_read == [buffer_of(keys).shape[2], keys.shape[2]]  # the buffers, then the copies
+    assert torch.equal(out, copied)
+
+
 @pytest.mark.parametrize("case", ["fp32", "fp32 decode", "mask", "float mask decode", "per-head mask decode",
                                   "not causal", "is_causal=False", "too many scores", "not square"])
 def test_attend_leaves_every_other_call_to_sdpa(case, grouped_calls, monkeypatch):

@@ -4,8 +4,7 @@ mix of updates, row selections and assignments, without copying the cache per st
 import torch
 from transformers import DynamicCache
 
-from trio_engine.kv_cache import MIN_ROOM, GrowingCache
-from trio_engine.sampler import kv_cache_class
+from trio_engine.kv_cache import MIN_ROOM, GrowingCache, buffer_of
 
 
 def _kv(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,11 +75,26 @@ def test_a_decode_step_writes_in_place_until_the_room_is_used():
     assert layer.keys.untyped_storage().nbytes() == 1 * 3 * grown * 8 * 4
 
 
-def test_the_sampler_grows_in_place_but_in_bf16_on_the_cpu():
-    assert kv_cache_class(torch.float32, torch.device("cpu")) is GrowingCache
-    assert kv_cache_class(torch.bfloat16, torch.device("cpu")) is DynamicCache  # attention.grouped wants contiguous KV
-    assert kv_cache_class(torch.bfloat16, torch.device("cuda")) is GrowingCache
-    assert kv_cache_class(torch.float16, torch.device("cpu")) is GrowingCache
+def test_the_views_name_their_buffers_whose_room_is_zeros():
+    """What a bf16 decode step relies on when it reads the whole buffers
+    (``attention._over_buffers``): through growth and row selection, each view an update
+    gives out names its buffer, which holds the view first and zeros after it, until the
+    next update writes past it."""
+    cache = GrowingCache()
+    for step, (batch, length) in enumerate([(3, 40), (3, 1), *[(3, 1)] * MIN_ROOM * 2]):
+        keys, values = cache.update(*_kv(batch, length, step), 0)
+        layer = cache.layers[0]
+        for view, buffer in ((keys, buffer_of(keys)), (values, buffer_of(values))):
+            assert buffer is not None and buffer.shape[2] >= view.shape[2]
+            assert buffer.data_ptr() == view.data_ptr() and buffer.shape[:2] == view.shape[:2]
+            assert torch.equal(buffer[:, :, :view.shape[2]], view)
+            assert not buffer[:, :, view.shape[2]:].any()
+    cache.batch_select_indices(torch.tensor([2, 0]))  # rows leaving keep room, still zeros
+    keys, _ = cache.update(*_kv(2, 1, 99), 0)
+    assert not buffer_of(keys)[:, :, keys.shape[2]:].any()
+    assert buffer_of(layer.keys[:, :, 1:]) is None and buffer_of(keys.clone()) is None  # only the views given out
+    cache.update(*_kv(2, 1, 100), 0)
+    assert buffer_of(keys) is None  # an earlier step's view: the next position is written now
 
 
 def test_a_layer_lets_its_buffers_go_when_its_tensors_are_replaced():
