@@ -39,7 +39,7 @@ _ENGINE_MISSING = (
 def export(args: argparse.Namespace) -> None:
     """``trio export``: fetch the checkpoint through the SDK, convert it with the engine."""
     try:
-        from trio_engine import ModelNotAvailableError
+        from trio_engine import InvalidInputError, ModelNotAvailableError
         from trio_engine import export as engine
     except ImportError as exc:
         raise CommandError(_ENGINE_MISSING.format(exc=exc)) from None
@@ -52,7 +52,7 @@ def export(args: argparse.Namespace) -> None:
                 engine.export_merged(folder, out)
             else:
                 engine.export_peft(folder, out)
-    except engine.ExportError as exc:
+    except (engine.ExportError, InvalidInputError) as exc:  # the latter: a PEFT folder TRIO cannot hold
         raise CommandError(f"cannot export {args.path}: {exc}") from None
     except ModelNotAvailableError as exc:
         raise CommandError(f"--merge needs the base model's weights on this machine: {exc}") from None

@@ -26,6 +26,7 @@ back and removes the temporary debris of interrupted writes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import threading
@@ -143,21 +144,46 @@ def save_peft_adapter(
     write_folder(folder, fill)
 
 
+# adapter_config.json settings that make an adapter other than plain LoRA on linear layers,
+# which TRIO cannot hold: each must have the value given, or be absent (None) or empty
+PEFT_PLAIN_LORA: dict[str, object] = {
+    "peft_type": "LORA", "use_dora": False, "bias": "none", "fan_in_fan_out": False,
+    "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": [], "target_parameters": [],
+}
+
+
 def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+    """A PEFT LoRA folder as a config and ``"<module>.lora_A"``/``"<module>.lora_B"`` fp32
+    tensors. rsLoRA's scale (alpha / sqrt(r)) is kept by loading its alpha as alpha·sqrt(r).
+
+    Raises:
+        InvalidInputError: the adapter is not plain LoRA on linear layers (DoRA, biases,
+            per-layer ranks, whole modules saved, MoE parameters: ``PEFT_PLAIN_LORA``).
+    """
     folder = Path(folder)
     cfg = json.loads((folder / "adapter_config.json").read_text())
-    targets = set(cfg["target_modules"])
-    config = LoraConfig(
-        rank=int(cfg["r"]),
-        train_attn=bool(targets & set(ALL_ATTN)),
-        train_mlp=bool(targets & set(ALL_MLP)),
-        train_unembed=bool(targets & set(UNEMBED)),
-        alpha=float(cfg["lora_alpha"]),
-    )
+    for key, plain in PEFT_PLAIN_LORA.items():
+        value = cfg.get(key)
+        if not (value is None or value == plain or (not value and not plain)):
+            raise InvalidInputError(f"path: adapter_config.json has {key}={cfg[key]!r}; TRIO loads plain LoRA "
+                                    f"on linear layers only ({key}={plain!r})", field="path")
     raw = load_file(folder / "adapter_model.safetensors", device="cpu")
-    weights = {
-        k[len(PEFT_PREFIX) : -len(".weight")]: v.float() for k, v in raw.items()
-    }
+    weights = {}
+    for key, tensor in raw.items():
+        if not (key.startswith(PEFT_PREFIX) and key.endswith((".lora_A.weight", ".lora_B.weight"))):
+            raise InvalidInputError(f"path: adapter_model.safetensors holds {key!r}, not a LoRA A or B "
+                                    f"matrix ({PEFT_PREFIX}<module>.lora_A.weight)", field="path")
+        weights[key[len(PEFT_PREFIX) : -len(".weight")]] = tensor.float()
+    named = cfg.get("target_modules")
+    layers = set(named) if isinstance(named, list) else {k.rsplit(".", 2)[-2] for k in weights}  # a regex: the keys
+    rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    config = LoraConfig(
+        rank=rank,
+        train_attn=bool(layers & set(ALL_ATTN)),
+        train_mlp=bool(layers & set(ALL_MLP)),
+        train_unembed=bool(layers & set(UNEMBED)),
+        alpha=alpha * math.sqrt(rank) if cfg.get("use_rslora") else alpha,
+    )
     return config, weights
 
 

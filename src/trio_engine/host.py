@@ -606,14 +606,14 @@ class ModelHost:
                 f"this host serves {self.model_name!r}",
                 field="path",
             )
-        select_targets(self.model, self.family, state.config)  # fails before the delete below
+        # every check before the delete below: a checkpoint that cannot load changes nothing
+        shapes = self._saved_shapes(state.config)
+        _check_saved(state.weights, shapes, "weights", complete=True)
+        if state.optim is not None:
+            _check_saved(state.optim.exp_avg, shapes, "optimizer state", complete=False)
+            _check_saved(state.optim.exp_avg_sq, shapes, "optimizer state", complete=False)
         with self.lock:
-            self.delete_adapter(adapter_id)
-            self.create_adapter(adapter_id, state.config)
-            params = self.adapter_params(adapter_id)
-            with torch.no_grad():
-                for name, tensor in state.weights.items():
-                    params[name].copy_(tensor)
+            self._replace(adapter_id, state.config, state.weights)
             if state.optim is not None:
                 self.adapters[adapter_id].optim = state.optim.to(self.device)
 
@@ -628,14 +628,23 @@ class ModelHost:
     def load_sampler_weights(self, adapter_id: str, folder: str) -> None:
         """Load a PEFT adapter folder (ours or any rank-r LoRA on the same targets)."""
         config, weights = checkpoint.load_peft_adapter(folder)
-        select_targets(self.model, self.family, config)  # fails before the delete below
+        # a PEFT adapter on some of the layers loads: the others keep B = 0 (no change)
+        _check_saved(weights, self._saved_shapes(config), "weights", complete=False)
         with self.lock:
-            self.delete_adapter(adapter_id)
-            self.create_adapter(adapter_id, config)
-            params = self.adapter_params(adapter_id)
-            with torch.no_grad():
-                for name, tensor in weights.items():
-                    params[name].copy_(tensor)
+            self._replace(adapter_id, config, weights)
+
+    def _saved_shapes(self, config: lora.LoraConfig) -> dict[str, torch.Size]:
+        """The tensors (names and shapes) of an adapter of ``config`` on this model."""
+        return lora.adapter_shapes(self.model, config.rank, select_targets(self.model, self.family, config))
+
+    def _replace(self, adapter_id: str, config: lora.LoraConfig, weights: dict[str, torch.Tensor]) -> None:
+        """``adapter_id`` anew, of ``config``, holding ``weights`` (checked by ``_check_saved``)."""
+        self.delete_adapter(adapter_id)
+        self.create_adapter(adapter_id, config)
+        params = self.adapter_params(adapter_id)
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                params[name].copy_(tensor)
 
     def info(self) -> dict[str, Any]:
         cfg = self.model.config
@@ -649,6 +658,29 @@ class ModelHost:
             "device": str(self.device),
             "num_adapters": len(self.adapters),
         }
+
+
+def _check_saved(tensors: dict[str, torch.Tensor], shapes: dict[str, torch.Size], what: str,
+                 complete: bool) -> None:
+    """Raise InvalidInputError (field ``path``) unless every saved tensor is one of the
+    adapter's (``shapes``: name -> shape), of its shape, and finite; and, if ``complete``,
+    the adapter has no tensor the checkpoint lacks. A checkpoint of another model, another
+    rank or targets, or a damaged one, is refused whole rather than loaded in part."""
+    for name, tensor in tensors.items():
+        shape = shapes.get(name)
+        if shape is None:
+            raise InvalidInputError(f"path: {name!r} in the checkpoint's {what} is no tensor of this model's "
+                                    "adapter (saved on another model, or with other targets)", field="path")
+        if tensor.shape != shape:
+            raise InvalidInputError(f"path: {name!r} in the checkpoint's {what} has shape {tuple(tensor.shape)}, "
+                                    f"where this model's adapter has {tuple(shape)}", field="path")
+        if not torch.isfinite(tensor).all():
+            raise InvalidInputError(f"path: {name!r} in the checkpoint's {what} holds non-finite values",
+                                    field="path")
+    missing = sorted(set(shapes) - set(tensors)) if complete else []
+    if missing:
+        raise InvalidInputError(f"path: the checkpoint's {what} lack {len(missing)} of the adapter's "
+                                f"{len(shapes)} tensors, {missing[0]!r} the first", field="path")
 
 
 class _LogprobsThroughFrozenHead(torch.autograd.Function):

@@ -496,13 +496,27 @@ def add_adapter(model: nn.Module, adapter_id: str, config: LoraConfig, targets: 
     initialisation).
     """
     gen = torch.Generator(device="cpu").manual_seed(config.seed)
-    chosen = [module for name, module in lora_modules(model) if name.rsplit(".", 1)[-1] in targets]
+    chosen = [module for _, module in _targeted(model, targets)]
     if not chosen:
         return
     shapes = [shape for module in chosen for shape in module.shapes(config.rank)]
     views = packed(shapes, chosen[0].base.weight.device)  # the whole adapter in one buffer
     for module, a, b in zip(chosen, views[::2], views[1::2], strict=True):
         module.add(adapter_id, config.rank, config.scale, gen, (a, b))
+
+
+def adapter_shapes(model: nn.Module, rank: int, targets: Collection[str]) -> dict[str, torch.Size]:
+    """The names and shapes ``adapter_tensors`` gives an adapter of ``rank`` on ``targets``
+    (``add_adapter``'s), without making one: what a saved adapter must match to load."""
+    shapes: dict[str, torch.Size] = {}
+    for name, module in _targeted(model, targets):
+        shapes[f"{name}.lora_A"], shapes[f"{name}.lora_B"] = module.shapes(rank)
+    return shapes
+
+
+def _targeted(model: nn.Module, targets: Collection[str]) -> list[tuple[str, LoRALinear]]:
+    """The wrapped layers an adapter on ``targets`` (layer names) adapts, in model order."""
+    return [(name, module) for name, module in lora_modules(model) if name.rsplit(".", 1)[-1] in targets]
 
 
 def remove_adapter(model: nn.Module, adapter_id: str) -> None:

@@ -109,6 +109,144 @@ def test_sampler_weights_round_trip(tiny_host, new_id, tmp_path):
         assert torch.equal(tiny_host.adapter_params(aid + "-s")[k], p)
 
 
+# -- a checkpoint that cannot load changes nothing ---------------------------------------------
+
+def _edited(folder, file, edit):
+    """Rewrite the safetensors ``file`` in ``folder`` as ``edit`` returns its tensors."""
+    from safetensors.torch import load_file, save_file
+
+    save_file(edit(load_file(folder / file)), folder / file)
+
+
+def _another_layer(tensors):
+    key = next(k for k in tensors if "layers.0." in k)
+    return {**tensors, key.replace("layers.0.", "layers.99."): tensors[key].clone()}
+
+
+def _one_wider(tensors):
+    key = next(k for k in tensors if "layers.1." in k and "lora_B" in k)
+    return {**tensors, key: torch.zeros(tensors[key].shape[0] + 1, tensors[key].shape[1])}
+
+
+def _one_nan(tensors):
+    key = sorted(tensors)[-1]
+    poisoned = tensors[key].clone()
+    poisoned.view(-1)[0] = float("nan")
+    return {**tensors, key: poisoned}
+
+
+def _one_missing(tensors):
+    return dict(sorted(tensors.items())[1:])
+
+
+BAD_WEIGHTS = {  # edit -> what the error says, in parts
+    "another layer": (_another_layer, ("layers.99.", "in the checkpoint's weights is no tensor of this model's")),
+    "another shape": (_one_wider, ("layers.1.", "has shape (65, 4), where this model's adapter has (64, 4)")),
+    "not finite": (_one_nan, ("in the checkpoint's weights holds non-finite values",)),
+}
+
+
+@pytest.mark.parametrize("case", [*BAD_WEIGHTS, "one missing", "moments of another shape"])
+def test_a_training_state_that_does_not_fit_is_refused_before_the_adapter_changes(tiny_host, new_id, tmp_path, case):
+    """Loading over an adapter replaces it; a checkpoint of another model, rank or targets,
+    or a damaged one, used to fail part way (a KeyError or a size mismatch after the old
+    adapter was deleted). Now it is refused first, by name, and the adapter stays as it was."""
+    from trio_engine import InvalidInputError
+
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=3))
+    data = [random_example(tiny_host.vocab_size, 6, random.Random(1))]
+    _train(tiny_host, aid, data, 1)
+    tiny_host.save_state(aid, tmp_path)
+    if case in BAD_WEIGHTS:
+        edit, says = BAD_WEIGHTS[case]
+        _edited(tmp_path, "adapter.safetensors", edit)
+    elif case == "one missing":
+        _edited(tmp_path, "adapter.safetensors", _one_missing)
+        says = ("the checkpoint's weights lack 1 of the adapter's",)
+    else:
+        _edited(tmp_path, "optimizer.safetensors", lambda moments: {
+            k: (torch.zeros(3, 3) if i == 0 else v) for i, (k, v) in enumerate(sorted(moments.items()))})
+        says = ("in the checkpoint's optimizer state has shape (3, 3)",)
+    _train(tiny_host, aid, data, 1)  # the adapter moves on past its checkpoint
+    before = {k: p.detach().clone() for k, p in tiny_host.adapter_params(aid).items()}
+    step = tiny_host.adapters[aid].optim.step
+    with pytest.raises(InvalidInputError, match="path: ") as err:
+        tiny_host.load_state(aid, str(tmp_path), with_optimizer=True)
+    assert all(part in str(err.value) for part in says), str(err.value)
+    after = tiny_host.adapter_params(aid)
+    assert all(torch.equal(after[k], v) for k, v in before.items()) and tiny_host.adapters[aid].optim.step == step
+
+
+@pytest.mark.parametrize("case", BAD_WEIGHTS)
+def test_sampler_weights_that_do_not_fit_are_refused_before_the_adapter_changes(tiny_host, new_id, tmp_path, case):
+    from trio_engine import InvalidInputError
+
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=3))
+    randomize_adapter(tiny_host, aid, seed=2)
+    tiny_host.save_sampler_weights(aid, tmp_path)
+    edit, says = BAD_WEIGHTS[case]
+    _edited(tmp_path, "adapter_model.safetensors", lambda tensors: {
+        "base_model.model." + k + ".weight": v for k, v in edit(
+            {k.removeprefix("base_model.model.").removesuffix(".weight"): v for k, v in tensors.items()}).items()})
+    before = {k: p.detach().clone() for k, p in tiny_host.adapter_params(aid).items()}
+    with pytest.raises(InvalidInputError, match="path: ") as err:
+        tiny_host.load_sampler_weights(aid, str(tmp_path))
+    assert all(part in str(err.value) for part in says), str(err.value)
+    assert all(torch.equal(tiny_host.adapter_params(aid)[k], v) for k, v in before.items())
+    n_adapters = len(tiny_host.adapters)
+    with pytest.raises(InvalidInputError):
+        tiny_host.load_sampler_weights(aid + "-new", str(tmp_path))  # nor is a new one left half made
+    assert len(tiny_host.adapters) == n_adapters and not tiny_host.has_adapter(aid + "-new")
+
+
+def test_peft_adapters_on_some_layers_load_and_others_are_refused(tiny_host, new_id, tmp_path):
+    """A PEFT adapter on some of the family's layers loads (the rest keep B = 0, no change);
+    rsLoRA keeps its scale; what TRIO cannot hold is refused by name."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from trio_engine import InvalidInputError
+    from trio_engine.checkpoint import load_peft_adapter
+
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=3, train_mlp=False, train_unembed=False))
+    randomize_adapter(tiny_host, aid, seed=2)
+    tiny_host.save_sampler_weights(aid, tmp_path)
+    weights = load_file(tmp_path / "adapter_model.safetensors")
+    kept = {k: v for k, v in weights.items() if ".q_proj." in k or ".v_proj." in k}  # peft's classic q/v
+    save_file(kept, tmp_path / "adapter_model.safetensors")
+    config_file = tmp_path / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "target_modules": "model.*(q_proj|v_proj)", "use_rslora": True}))
+    tiny_host.load_sampler_weights(aid + "-qv", str(tmp_path))
+    loaded = tiny_host.adapter_params(aid + "-qv")
+    for name, tensor in loaded.items():
+        peft_name = f"base_model.model.{name}.weight"
+        if peft_name in kept:
+            assert torch.equal(tensor, kept[peft_name])
+        elif name.endswith("lora_B"):
+            assert not tensor.any()  # k and o: no change to the output
+    lora_config, _ = load_peft_adapter(tmp_path)
+    assert lora_config.scale == pytest.approx(config["lora_alpha"] / 2.0)  # rsLoRA: alpha / sqrt(4)
+
+    for key, value in [("use_dora", True), ("rank_pattern", {"q_proj": 8}), ("modules_to_save", ["lm_head"]),
+                       ("bias", "lora_only"), ("target_parameters", ["mlp.experts.gate_up_proj"])]:
+        config_file.write_text(json.dumps({**config, key: value}))
+        with pytest.raises(InvalidInputError, match=f"adapter_config.json has {key}="):
+            tiny_host.load_sampler_weights(aid + "-bad", str(tmp_path))
+    config_file.write_text(json.dumps({**config, "modules_to_save": None, "rank_pattern": {}}))
+    save_file({**kept, "base_model.model.lm_head.lora_magnitude_vector": torch.ones(3)},
+              tmp_path / "adapter_model.safetensors")
+    with pytest.raises(InvalidInputError, match="lora_magnitude_vector', not a LoRA A or B matrix"):
+        tiny_host.load_sampler_weights(aid + "-bad", str(tmp_path))
+    assert not tiny_host.has_adapter(aid + "-bad")
+    for a in (aid, aid + "-qv"):
+        tiny_host.delete_adapter(a)
+
+
 # -- atomic folder writes: a failed write leaves the previous checkpoint as it was ------------
 
 def _tree(folder):
