@@ -8,15 +8,19 @@ place; a layer's ``keys`` and ``values`` are views of the filled part, so code w
 for ``DynamicCache`` reads them unchanged. fp32 decode steps of 8 rows ran 1.08x / 1.28-1.30x
 / 1.43-1.45x as fast at 256 / 1024 / 2048 cached tokens (``benchmarks/long_decode.py``).
 
-The room is zeros, and each view ``update`` returns knows its buffer (``buffer_of``): a
-bf16 decode step on the CPU multiplies by the whole buffers, whose unfilled positions it
-hides (``attention._over_buffers``), because batched matmuls ran 4-8x slower on the
-views than on contiguous keys (one row's keys do not follow the last's) and a copy per
-step is what this cache exists to avoid.
+Each view ``update`` returns knows its layer (``buffer_of``): a bf16 decode step on the
+CPU multiplies by the whole buffers, their room zeroed and hidden
+(``attention._over_buffers``), because batched matmuls ran 4-8x slower on the views than
+on contiguous keys (one row's keys do not follow the last's) and a copy per step is what
+this cache exists to avoid.
 
-A full buffer is replaced by one half again as long as needed (and at least ``MIN_ROOM``
-positions more), so over a long generation each position is copied two to three times
-in all, and a buffer past 32 positions is at most a third unused. Code that assigns a
+A buffer's length is a function of the filled length alone (``capacity``: the first of
+16, 24, 32, 48, 64, 96, ... at or above it), whatever the cache's history: the CPU's
+kernels sum a product or a softmax in an order that depends on the length they read, so
+a bf16 row's numbers then depend on its length only, as with ``DynamicCache``, and not on
+when its batch was merged or grew. A full buffer is replaced by the next length of the
+grid, so over a long generation each position is copied about three times in all, and a
+buffer is at most a third unused. Code that assigns a
 layer's ``keys``/``values`` itself (the sampler trimming or merging batches, ``crop``)
 lets the buffers go: the next ``update`` copies the assigned tensors into new ones.
 Selecting batch rows (rows leaving, samples sharing a prefill) selects the buffers' rows,
@@ -32,7 +36,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-MIN_ROOM = 16  # positions of room a new buffer has at least
+MIN_ROOM = 16  # the shortest buffer, in positions
 _LAYER = "trio_kv_layer"  # the attribute by which update's views name their layer (``buffer_of``)
 
 
@@ -58,6 +62,7 @@ class GrowingLayer(DynamicLayer):
     takes buffers back after pointing the two at them."""
 
     _buffers: tuple[torch.Tensor, torch.Tensor] | None  # set by the properties (DynamicLayer's __init__)
+    _zeroed: tuple[torch.Tensor, torch.Tensor] | None = None  # the buffers whose room ``buffer_of`` zeroed
 
     keys = _dropping_buffers("_keys")  # type: ignore[assignment]
     values = _dropping_buffers("_values")  # type: ignore[assignment]
@@ -95,26 +100,40 @@ class GrowingLayer(DynamicLayer):
 
 
 def buffer_of(view: torch.Tensor) -> torch.Tensor | None:
-    """The whole buffer (B, heads, capacity, D) whose first positions are ``view``, while
-    ``view`` is a ``GrowingLayer``'s current keys or values: then every position past it
-    is zeros. None for any other tensor, an earlier step's view included (later steps
-    wrote past it), or one made from such a view."""
+    """The whole buffer (B, heads, capacity, D) whose first positions are ``view``, its
+    room (every position past ``view``) zeros, while ``view`` is a ``GrowingLayer``'s
+    current keys or values. None for any other tensor, an earlier step's view included
+    (later steps wrote past it), or one made from such a view. The room is zeroed here,
+    once per buffer, rather than when the buffer is made: only a bf16 decode step on the
+    CPU reads it, and zeros would commit the room's memory in every other case."""
     owner = getattr(view, _LAYER, None)
     layer = owner() if owner is not None else None
     if layer is None or layer._buffers is None:
         return None
     for current, buffer in zip((layer.keys, layer.values), layer._buffers, strict=True):
         if current is view:
+            if layer._zeroed is not layer._buffers:  # updates write only below the view's end
+                for whole in layer._buffers:
+                    whole[:, :, view.shape[-2]:].zero_()
+                layer._zeroed = layer._buffers
             return buffer
     return None
 
 
+def capacity(length: int) -> int:
+    """The positions of a buffer holding ``length``: the first of 16, 24, 32, 48, 64, 96,
+    ... (powers of two and one and a half times them) at or above it."""
+    size = MIN_ROOM
+    while size < length:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
 def _with_room(filled: torch.Tensor, new: torch.Tensor, needed: int) -> torch.Tensor:
-    """A buffer for ``needed`` positions and room beyond, holding ``filled`` (the layer's
-    keys or values so far, possibly empty) at its start and zeros after it (``buffer_of``);
-    ``new`` gives the other dims."""
+    """A buffer of ``capacity(needed)`` positions holding ``filled`` (the layer's keys or
+    values so far, possibly empty) at its start; ``new`` gives the other dims."""
     batch, heads, _, dim = new.shape
-    buffer = new.new_zeros(batch, heads, needed + max(needed // 2, MIN_ROOM), dim)
+    buffer = new.new_empty(batch, heads, capacity(needed), dim)
     if filled.numel():
         buffer[:, :, :filled.shape[-2]] = filled
     return buffer

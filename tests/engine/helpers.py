@@ -182,3 +182,18 @@ def random_adapter_folder(folder, model, base_model: str, config, seed: int = 0,
             weights[f"{name}.lora_B"] = torch.randn(module.out_features, config.rank, generator=gen) * scale
     save_peft_adapter(folder, weights, config, base_model)
     return weights
+
+
+def poison_kv_room(monkeypatch) -> None:
+    """New GrowingCache buffers hold NaN past what they were filled with, as fresh memory
+    may hold anything: whatever reads a buffer's room must have zeroed it."""
+    from trio_engine import kv_cache
+
+    real = kv_cache._with_room
+
+    def with_nan_room(filled, new, needed):
+        buffer = real(filled, new, needed)
+        buffer[:, :, filled.shape[-2] if filled.numel() else 0:].fill_(float("nan"))
+        return buffer
+
+    monkeypatch.setattr(kv_cache, "_with_room", with_nan_room)

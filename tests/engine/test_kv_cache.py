@@ -4,7 +4,9 @@ mix of updates, row selections and assignments, without copying the cache per st
 import torch
 from transformers import DynamicCache
 
-from trio_engine.kv_cache import MIN_ROOM, GrowingCache, buffer_of
+from trio_engine.kv_cache import MIN_ROOM, GrowingCache, buffer_of, capacity
+
+from .helpers import poison_kv_room
 
 
 def _kv(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,34 +60,58 @@ def test_a_decode_step_writes_in_place_until_the_room_is_used():
     cache = GrowingCache()
     cache.update(*_kv(2, 40, 0), 0)
     layer = cache.layers[0]
-    capacity = 40 + max(40 // 2, MIN_ROOM)
     start = (layer.keys.data_ptr(), layer.values.data_ptr())
-    for step in range(capacity - 40):
+    for step in range(48 - 40):  # the grid's next length past 40 is 48
         cache.update(*_kv(2, 1, step + 1), 0)
         assert (layer.keys.data_ptr(), layer.values.data_ptr()) == start
-    assert layer.keys.shape[-2] == capacity
+    assert layer.keys.shape[-2] == 48
     cache.update(*_kv(2, 1, 999), 0)  # full: a new buffer with room again
     assert layer.keys.data_ptr() != start[0]
-    grown = capacity + 1 + (capacity + 1) // 2
-    assert layer.keys.untyped_storage().nbytes() == 2 * 3 * grown * 8 * 4
+    assert layer.keys.untyped_storage().nbytes() == 2 * 3 * 64 * 8 * 4
     cache.batch_select_indices(torch.tensor([1]))  # a row leaving: the rest keeps the room
     start = (layer.keys.data_ptr(), layer.values.data_ptr())
     cache.update(*_kv(1, 1, 1000), 0)
     assert (layer.keys.data_ptr(), layer.values.data_ptr()) == start
-    assert layer.keys.untyped_storage().nbytes() == 1 * 3 * grown * 8 * 4
+    assert layer.keys.untyped_storage().nbytes() == 1 * 3 * 64 * 8 * 4
 
 
-def test_the_views_name_their_buffers_whose_room_is_zeros():
+def test_a_buffers_length_follows_the_filled_length_alone():
+    """The grid (16, 24, 32, 48, 64, 96, ...), and the same buffer length for the same
+    filled length whatever came before: a prefill of it, decode steps up to it, a batch
+    merged (keys assigned) just before it. A bf16 row's decode numbers then depend on its
+    length only: the CPU kernels' summation order follows the length they read."""
+    grid = [capacity(n) for n in range(1, 3000)]
+    assert sorted(set(grid))[:9] == [MIN_ROOM, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert all(n <= c <= max(MIN_ROOM, 1.5 * n) for n, c in zip(range(1, 3000), grid, strict=True))
+
+    def buffer_length(steps):
+        cache = GrowingCache()
+        for kind, n in steps:
+            if kind == "assign":  # as the sampler's merge does
+                layer = cache.layers[0]
+                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+            else:
+                cache.update(*_kv(2, n, 0), 0)
+        return buffer_of(cache.layers[0].keys).shape[2]
+
+    for length in (20, 45, 70, 200):
+        histories = [[("update", length)], [("update", 3)] + [("update", 1)] * (length - 3),
+                     [("update", length - 2), ("assign", 0), ("update", 1), ("update", 1)]]
+        assert {buffer_length(h) for h in histories} == {capacity(length)}, length
+
+
+def test_the_views_name_their_buffers_whose_room_is_zeros(monkeypatch):
     """What a bf16 decode step relies on when it reads the whole buffers
     (``attention._over_buffers``): through growth and row selection, each view an update
-    gives out names its buffer, which holds the view first and zeros after it, until the
-    next update writes past it."""
+    gives out names its buffer, which holds the view first and zeros after it (zeroed when
+    first asked), until the next update writes past it."""
+    poison_kv_room(monkeypatch)
     cache = GrowingCache()
     for step, (batch, length) in enumerate([(3, 40), (3, 1), *[(3, 1)] * MIN_ROOM * 2]):
         keys, values = cache.update(*_kv(batch, length, step), 0)
         layer = cache.layers[0]
         for view, buffer in ((keys, buffer_of(keys)), (values, buffer_of(values))):
-            assert buffer is not None and buffer.shape[2] >= view.shape[2]
+            assert buffer is not None and buffer.shape[2] == capacity(view.shape[2])
             assert buffer.data_ptr() == view.data_ptr() and buffer.shape[:2] == view.shape[:2]
             assert torch.equal(buffer[:, :, :view.shape[2]], view)
             assert not buffer[:, :, view.shape[2]:].any()
