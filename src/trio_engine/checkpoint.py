@@ -30,11 +30,14 @@ import math
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import CheckpointWriteError, InvalidInputError
@@ -88,28 +91,52 @@ def save_training_state(
 
 
 def load_training_state(folder: str | Path, with_optimizer: bool) -> TrainingState:
+    """A training state folder as CPU tensors and its config.
+
+    Raises:
+        FileNotFoundError: the folder holds no training state.
+        InvalidInputError: it is of another format, damaged, or (``with_optimizer``) has no
+            optimizer state.
+    """
     folder = Path(folder)
     meta_path = folder / "trio_state.json"
     if not meta_path.exists():
         raise FileNotFoundError(f"no training state at {folder}")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT:
-        raise InvalidInputError(f"path: unsupported checkpoint format {meta.get('format')!r}")
-    config = LoraConfig(**meta["lora_config"])
-    weights = load_file(folder / "adapter.safetensors", device="cpu")
-    optim = None
-    if with_optimizer:
-        if meta["optimizer_step"] is None:
-            raise InvalidInputError(f"path: checkpoint at {folder} was saved without optimizer state")
-        moments = load_file(folder / "optimizer.safetensors", device="cpu")
-        optim = AdamState(
-            step=int(meta["optimizer_step"]),
-            exp_avg={k[len("exp_avg.") :]: v for k, v in moments.items() if k.startswith("exp_avg.")},
-            exp_avg_sq={
-                k[len("exp_avg_sq.") :]: v for k, v in moments.items() if k.startswith("exp_avg_sq.")
-            },
-        )
-    return TrainingState(config, weights, optim, meta["base_model"])
+    with _readable(folder):
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != FORMAT:
+            raise InvalidInputError(f"path: unsupported checkpoint format {meta.get('format')!r}")
+        config = LoraConfig(**meta["lora_config"])
+        weights = load_file(folder / "adapter.safetensors", device="cpu")
+        optim = None
+        if with_optimizer:
+            step = meta["optimizer_step"]
+            if step is None:
+                raise InvalidInputError(f"path: checkpoint at {folder} was saved without optimizer state")
+            if not isinstance(step, int) or step < 0:
+                raise InvalidInputError(f"path: the checkpoint's optimizer step is {step!r}, not a count")
+            moments = load_file(folder / "optimizer.safetensors", device="cpu")
+            optim = AdamState(
+                step=step,
+                exp_avg={k[len("exp_avg.") :]: v for k, v in moments.items() if k.startswith("exp_avg.")},
+                exp_avg_sq={
+                    k[len("exp_avg_sq.") :]: v for k, v in moments.items() if k.startswith("exp_avg_sq.")
+                },
+            )
+        return TrainingState(config, weights, optim, meta["base_model"])
+
+
+@contextmanager
+def _readable(folder: Path) -> Iterator[None]:
+    """Turn what a damaged or foreign checkpoint raises while it is read (a missing key, a
+    wrong type, bad JSON, a broken safetensors file) into InvalidInputError on ``path``."""
+    try:
+        yield
+    except InvalidInputError:
+        raise
+    except (KeyError, TypeError, ValueError, SafetensorError) as exc:
+        raise InvalidInputError(f"path: the checkpoint at {folder.name!r} cannot be read "
+                                f"({type(exc).__name__}: {exc})", field="path") from exc
 
 
 def save_peft_adapter(
@@ -144,47 +171,69 @@ def save_peft_adapter(
     write_folder(folder, fill)
 
 
-# adapter_config.json settings that make an adapter other than plain LoRA on linear layers,
-# which TRIO cannot hold: each must have the value given, or be absent (None) or empty
+# adapter_config.json settings that make an adapter other than plain LoRA on linear layers
+# (which a TRIO adapter cannot hold, or which peft applies another way): each must be
+# absent, empty, or as given
 PEFT_PLAIN_LORA: dict[str, object] = {
-    "peft_type": "LORA", "use_dora": False, "bias": "none", "fan_in_fan_out": False,
-    "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": [], "target_parameters": [],
+    "peft_type": "LORA", "bias": "none", "fan_in_fan_out": False, "use_dora": False, "lora_bias": False,
+    "use_qalora": False, "use_bdlora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": [],
+    "target_parameters": [], "trainable_token_indices": [], "layer_replication": [],
+    "alora_invocation_tokens": [], "arrow_config": {}, "kasa_config": {}, "monteclora_config": {},
+    "velora_config": {},
 }
+# initialisations that move the base weights (the adapter expects them moved unless saved
+# converted, when peft writes plain LoRA)
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
 def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """A PEFT LoRA folder as a config and ``"<module>.lora_A"``/``"<module>.lora_B"`` fp32
-    tensors. rsLoRA's scale (alpha / sqrt(r)) is kept by loading its alpha as alpha·sqrt(r).
+    tensors. The kinds of layers (``train_attn`` ...) are read off the tensors, whatever
+    form ``target_modules`` takes (names, full paths as peft writes for "all-linear", a
+    regex). rsLoRA's scale (alpha / sqrt(r)) is kept by loading its alpha as alpha·sqrt(r).
+    A copy of a base layer that peft saves beside an adapted head (``base_layer.weight``,
+    its ``save_embedding_layers``) is skipped: the host serves its own base weights.
 
     Raises:
         InvalidInputError: the adapter is not plain LoRA on linear layers (DoRA, biases,
-            per-layer ranks, whole modules saved, MoE parameters: ``PEFT_PLAIN_LORA``).
+            per-layer ranks, saved modules, MoE parameters, ...: ``PEFT_PLAIN_LORA``), was
+            initialised by moving the base weights, or the folder cannot be read.
     """
     folder = Path(folder)
-    cfg = json.loads((folder / "adapter_config.json").read_text())
+    with _readable(folder):
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+        _refuse_other_than_plain_lora(cfg)
+        weights = {}
+        for key, tensor in load_file(folder / "adapter_model.safetensors", device="cpu").items():
+            if key.startswith(PEFT_PREFIX) and key.endswith(".base_layer.weight"):
+                continue
+            if not (key.startswith(PEFT_PREFIX) and key.endswith((".lora_A.weight", ".lora_B.weight"))):
+                raise InvalidInputError(f"path: adapter_model.safetensors holds {key!r}, not a LoRA A or B "
+                                        f"matrix ({PEFT_PREFIX}<module>.lora_A.weight)", field="path")
+            weights[key[len(PEFT_PREFIX) : -len(".weight")]] = tensor.float()
+        layers = {key.rsplit(".", 2)[-2] for key in weights}
+        rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+        config = LoraConfig(
+            rank=rank,
+            train_attn=bool(layers & set(ALL_ATTN)),
+            train_mlp=bool(layers & set(ALL_MLP)),
+            train_unembed=bool(layers & set(UNEMBED)),
+            alpha=alpha * math.sqrt(rank) if cfg.get("use_rslora") else alpha,
+        )
+        return config, weights
+
+
+def _refuse_other_than_plain_lora(cfg: dict[str, Any]) -> None:
     for key, plain in PEFT_PLAIN_LORA.items():
         value = cfg.get(key)
         if not (value is None or value == plain or (not value and not plain)):
-            raise InvalidInputError(f"path: adapter_config.json has {key}={cfg[key]!r}; TRIO loads plain LoRA "
+            raise InvalidInputError(f"path: adapter_config.json has {key}={value!r}; TRIO loads plain LoRA "
                                     f"on linear layers only ({key}={plain!r})", field="path")
-    raw = load_file(folder / "adapter_model.safetensors", device="cpu")
-    weights = {}
-    for key, tensor in raw.items():
-        if not (key.startswith(PEFT_PREFIX) and key.endswith((".lora_A.weight", ".lora_B.weight"))):
-            raise InvalidInputError(f"path: adapter_model.safetensors holds {key!r}, not a LoRA A or B "
-                                    f"matrix ({PEFT_PREFIX}<module>.lora_A.weight)", field="path")
-        weights[key[len(PEFT_PREFIX) : -len(".weight")]] = tensor.float()
-    named = cfg.get("target_modules")
-    layers = set(named) if isinstance(named, list) else {k.rsplit(".", 2)[-2] for k in weights}  # a regex: the keys
-    rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-    config = LoraConfig(
-        rank=rank,
-        train_attn=bool(layers & set(ALL_ATTN)),
-        train_mlp=bool(layers & set(ALL_MLP)),
-        train_unembed=bool(layers & set(UNEMBED)),
-        alpha=alpha * math.sqrt(rank) if cfg.get("use_rslora") else alpha,
-    )
-    return config, weights
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        raise InvalidInputError(f"path: adapter_config.json has init_lora_weights={init!r}, an adapter that "
+                                "expects base weights its initialisation moved; save it converted to plain LoRA "
+                                "(peft's path_initial_model_for_weight_conversion)", field="path")
 
 
 def _detached(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -610,8 +610,7 @@ class ModelHost:
         shapes = self._saved_shapes(state.config)
         _check_saved(state.weights, shapes, "weights", complete=True)
         if state.optim is not None:
-            _check_saved(state.optim.exp_avg, shapes, "optimizer state", complete=False)
-            _check_saved(state.optim.exp_avg_sq, shapes, "optimizer state", complete=False)
+            _check_moments(state.optim, shapes)
         with self.lock:
             self._replace(adapter_id, state.config, state.weights)
             if state.optim is not None:
@@ -663,9 +662,11 @@ class ModelHost:
 def _check_saved(tensors: dict[str, torch.Tensor], shapes: dict[str, torch.Size], what: str,
                  complete: bool) -> None:
     """Raise InvalidInputError (field ``path``) unless every saved tensor is one of the
-    adapter's (``shapes``: name -> shape), of its shape, and finite; and, if ``complete``,
-    the adapter has no tensor the checkpoint lacks. A checkpoint of another model, another
-    rank or targets, or a damaged one, is refused whole rather than loaded in part."""
+    adapter's (``shapes``: name -> shape), of its shape, and finite, with its layer's other
+    matrix (an A without its B, or a B without its A, would pair with a fresh one); and, if
+    ``complete``, the adapter has no tensor the checkpoint lacks. A checkpoint of another
+    model, another rank or targets, or a damaged one, is refused whole rather than loaded
+    in part."""
     for name, tensor in tensors.items():
         shape = shapes.get(name)
         if shape is None:
@@ -677,10 +678,30 @@ def _check_saved(tensors: dict[str, torch.Tensor], shapes: dict[str, torch.Size]
         if not torch.isfinite(tensor).all():
             raise InvalidInputError(f"path: {name!r} in the checkpoint's {what} holds non-finite values",
                                     field="path")
-    missing = sorted(set(shapes) - set(tensors)) if complete else []
-    if missing:
+    missing = sorted(set(shapes) - set(tensors))
+    if complete and missing:
         raise InvalidInputError(f"path: the checkpoint's {what} lack {len(missing)} of the adapter's "
                                 f"{len(shapes)} tensors, {missing[0]!r} the first", field="path")
+    partnerless = next((name for name in sorted(tensors) if name[:-1] + ("B" if name.endswith("_A") else "A")
+                        in missing), None)
+    if partnerless is not None:
+        raise InvalidInputError(f"path: {partnerless!r} in the checkpoint's {what} comes without the other "
+                                "matrix of its layer", field="path")
+
+
+def _check_moments(optim: AdamState, shapes: dict[str, torch.Size]) -> None:
+    """``_check_saved`` for AdamW's moments: both kept for the same tensors (a step reads
+    the two together), and the second ones not negative (their square roots divide)."""
+    unmatched = sorted(set(optim.exp_avg) ^ set(optim.exp_avg_sq))
+    if unmatched:
+        raise InvalidInputError(f"path: the checkpoint's optimizer state has one moment of {unmatched[0]!r} "
+                                "but not the other", field="path")
+    for moments in (optim.exp_avg, optim.exp_avg_sq):
+        _check_saved(moments, shapes, "optimizer state", complete=False)
+    negative = next((name for name, v in optim.exp_avg_sq.items() if (v < 0).any()), None)
+    if negative is not None:
+        raise InvalidInputError(f"path: the checkpoint's optimizer state has negative second moments in "
+                                f"{negative!r}", field="path")
 
 
 class _LogprobsThroughFrozenHead(torch.autograd.Function):

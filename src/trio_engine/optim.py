@@ -56,16 +56,17 @@ class AdamState:
     exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device | str) -> AdamState:
-        """The same state with its moments on ``device`` (checkpoints load on the CPU)."""
+        """The same state with its moments on ``device`` (checkpoints load on the CPU), in
+        fp32 as the adapters' parameters are, whatever a checkpoint stored."""
         return AdamState(self.step, _moved(self.exp_avg, device), _moved(self.exp_avg_sq, device))
 
 
 def _moved(moments: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """A copy of ``moments`` on ``device``, in one buffer."""
+    """An fp32 copy of ``moments`` on ``device``, in one buffer."""
     values = list(moments.values())
     if not values:
         return {}
-    views = packed([m.shape for m in values], device, values[0].dtype)
+    views = packed([m.shape for m in values], device, torch.float32)
     for view, m in zip(views, values):
         view.copy_(m)
     return dict(zip(moments, views))

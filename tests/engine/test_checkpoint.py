@@ -146,11 +146,60 @@ BAD_WEIGHTS = {  # edit -> what the error says, in parts
 }
 
 
-@pytest.mark.parametrize("case", [*BAD_WEIGHTS, "one missing", "moments of another shape"])
+def _damaged(folder, file, edit):
+    """``edit`` applied to a checkpoint file: a JSON file's dict, a safetensors file's
+    tensors, or (``edit`` None) the file cut short."""
+    import json
+
+    path = folder / file
+    if edit is None:
+        path.write_bytes(path.read_bytes()[:40])
+    elif file.endswith(".json"):
+        path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    else:
+        _edited(folder, file, edit)
+
+
+def _moments_edited(edit_one):
+    """An edit of optimizer.safetensors applying ``edit_one(tensor)`` to its first second
+    moment (None: drop it)."""
+    def edit(moments):
+        first = min(k for k in moments if k.startswith("exp_avg_sq."))
+        edited = {k: v for k, v in moments.items() if k != first}
+        if edit_one(moments[first]) is not None:
+            edited[first] = edit_one(moments[first])
+        return edited
+    return edit
+
+
+def _set(key, value):
+    return lambda meta: {**meta, key: value}
+
+
+DAMAGED_STATES = {  # case -> (file, edit, what the error says, in parts)
+    **{case: ("adapter.safetensors", edit, says) for case, (edit, says) in BAD_WEIGHTS.items()},
+    "one missing": ("adapter.safetensors", _one_missing, ("the checkpoint's weights lack 1 of the adapter's",)),
+    "moments of another shape": ("optimizer.safetensors", _moments_edited(lambda v: torch.zeros(3, 3)),
+                                 ("in the checkpoint's optimizer state has shape (3, 3)",)),
+    "one moment without the other": ("optimizer.safetensors", _moments_edited(lambda v: None),
+                                     ("optimizer state has one moment of", "but not the other")),
+    "negative second moments": ("optimizer.safetensors", _moments_edited(lambda v: -1 - v),
+                                ("negative second moments",)),
+    "a step of -1": ("trio_state.json", _set("optimizer_step", -1), ("optimizer step is -1, not a count",)),
+    "no step": ("trio_state.json", lambda meta: {k: v for k, v in meta.items() if k != "optimizer_step"},
+                ("cannot be read (KeyError",)),
+    "an unknown config key": ("trio_state.json", lambda meta: {**meta, "lora_config": {
+        **meta["lora_config"], "dropout": 0.1}}, ("cannot be read (TypeError",)),
+    "a broken file": ("adapter.safetensors", None, ("cannot be read (SafetensorError",)),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_STATES)
 def test_a_training_state_that_does_not_fit_is_refused_before_the_adapter_changes(tiny_host, new_id, tmp_path, case):
     """Loading over an adapter replaces it; a checkpoint of another model, rank or targets,
     or a damaged one, used to fail part way (a KeyError or a size mismatch after the old
-    adapter was deleted). Now it is refused first, by name, and the adapter stays as it was."""
+    adapter was deleted, a 500), or later (moments that fail the next step). Now it is
+    refused first, by name, and the adapter stays as it was."""
     from trio_engine import InvalidInputError
 
     aid = new_id()
@@ -158,16 +207,8 @@ def test_a_training_state_that_does_not_fit_is_refused_before_the_adapter_change
     data = [random_example(tiny_host.vocab_size, 6, random.Random(1))]
     _train(tiny_host, aid, data, 1)
     tiny_host.save_state(aid, tmp_path)
-    if case in BAD_WEIGHTS:
-        edit, says = BAD_WEIGHTS[case]
-        _edited(tmp_path, "adapter.safetensors", edit)
-    elif case == "one missing":
-        _edited(tmp_path, "adapter.safetensors", _one_missing)
-        says = ("the checkpoint's weights lack 1 of the adapter's",)
-    else:
-        _edited(tmp_path, "optimizer.safetensors", lambda moments: {
-            k: (torch.zeros(3, 3) if i == 0 else v) for i, (k, v) in enumerate(sorted(moments.items()))})
-        says = ("in the checkpoint's optimizer state has shape (3, 3)",)
+    file, edit, says = DAMAGED_STATES[case]
+    _damaged(tmp_path, file, edit)
     _train(tiny_host, aid, data, 1)  # the adapter moves on past its checkpoint
     before = {k: p.detach().clone() for k, p in tiny_host.adapter_params(aid).items()}
     step = tiny_host.adapters[aid].optim.step
@@ -176,6 +217,21 @@ def test_a_training_state_that_does_not_fit_is_refused_before_the_adapter_change
     assert all(part in str(err.value) for part in says), str(err.value)
     after = tiny_host.adapter_params(aid)
     assert all(torch.equal(after[k], v) for k, v in before.items()) and tiny_host.adapters[aid].optim.step == step
+
+
+def test_moments_saved_in_another_dtype_load_as_fp32(tiny_host, new_id, tmp_path):
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=3))
+    data = [random_example(tiny_host.vocab_size, 6, random.Random(1))]
+    _train(tiny_host, aid, data, 1)
+    tiny_host.save_state(aid, tmp_path)
+    _edited(tmp_path, "optimizer.safetensors", lambda moments: {k: v.double() for k, v in moments.items()})
+    tiny_host.load_state(aid + "-64", str(tmp_path), with_optimizer=True)
+    moments = tiny_host.adapters[aid + "-64"].optim
+    assert {v.dtype for v in (*moments.exp_avg.values(), *moments.exp_avg_sq.values())} == {torch.float32}
+    _train(tiny_host, aid + "-64", data, 1)  # and the next step runs
+    for a in (aid, aid + "-64"):
+        tiny_host.delete_adapter(a)
 
 
 @pytest.mark.parametrize("case", BAD_WEIGHTS)
@@ -220,20 +276,28 @@ def test_peft_adapters_on_some_layers_load_and_others_are_refused(tiny_host, new
     save_file(kept, tmp_path / "adapter_model.safetensors")
     config_file = tmp_path / "adapter_config.json"
     config = json.loads(config_file.read_text())
-    config_file.write_text(json.dumps({**config, "target_modules": "model.*(q_proj|v_proj)", "use_rslora": True}))
-    tiny_host.load_sampler_weights(aid + "-qv", str(tmp_path))
-    loaded = tiny_host.adapter_params(aid + "-qv")
-    for name, tensor in loaded.items():
-        peft_name = f"base_model.model.{name}.weight"
-        if peft_name in kept:
-            assert torch.equal(tensor, kept[peft_name])
-        elif name.endswith("lora_B"):
-            assert not tensor.any()  # k and o: no change to the output
+    # peft's all-linear writes full paths, a regex is a string: the kinds come from the keys
+    full_paths = sorted({k.removeprefix("base_model.model.").rsplit(".", 2)[0] for k in kept})
+    for targets in ("model.*(q_proj|v_proj)", full_paths):
+        config_file.write_text(json.dumps({**config, "target_modules": targets, "use_rslora": True}))
+        tiny_host.load_sampler_weights(aid + "-qv", str(tmp_path))
+        loaded = tiny_host.adapter_params(aid + "-qv")
+        for name, tensor in loaded.items():
+            peft_name = f"base_model.model.{name}.weight"
+            if peft_name in kept:
+                assert torch.equal(tensor, kept[peft_name])
+            elif name.endswith("lora_B"):
+                assert not tensor.any()  # k and o: no change to the output
     lora_config, _ = load_peft_adapter(tmp_path)
     assert lora_config.scale == pytest.approx(config["lora_alpha"] / 2.0)  # rsLoRA: alpha / sqrt(4)
+    save_file({**kept, "base_model.model.lm_head.base_layer.weight": torch.ones(3)},  # peft's copy of the base
+              tmp_path / "adapter_model.safetensors")
+    assert load_peft_adapter(tmp_path)[1].keys() == {k.removeprefix("base_model.model.").removesuffix(".weight")
+                                                     for k in kept}
 
     for key, value in [("use_dora", True), ("rank_pattern", {"q_proj": 8}), ("modules_to_save", ["lm_head"]),
-                       ("bias", "lora_only"), ("target_parameters", ["mlp.experts.gate_up_proj"])]:
+                       ("bias", "lora_only"), ("target_parameters", ["mlp.experts.gate_up_proj"]),
+                       ("alora_invocation_tokens", [5, 6]), ("init_lora_weights", "pissa_niter_4")]:
         config_file.write_text(json.dumps({**config, key: value}))
         with pytest.raises(InvalidInputError, match=f"adapter_config.json has {key}="):
             tiny_host.load_sampler_weights(aid + "-bad", str(tmp_path))
@@ -241,6 +305,14 @@ def test_peft_adapters_on_some_layers_load_and_others_are_refused(tiny_host, new
     save_file({**kept, "base_model.model.lm_head.lora_magnitude_vector": torch.ones(3)},
               tmp_path / "adapter_model.safetensors")
     with pytest.raises(InvalidInputError, match="lora_magnitude_vector', not a LoRA A or B matrix"):
+        tiny_host.load_sampler_weights(aid + "-bad", str(tmp_path))
+    a_alone = next(k for k in kept if "lora_A" in k)
+    save_file({k: v for k, v in kept.items() if k != a_alone.replace("lora_A", "lora_B")},
+              tmp_path / "adapter_model.safetensors")
+    with pytest.raises(InvalidInputError, match="comes without the other matrix of its layer"):
+        tiny_host.load_sampler_weights(aid + "-bad", str(tmp_path))  # it would pair with a fresh B
+    (tmp_path / "adapter_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "r"}))
+    with pytest.raises(InvalidInputError, match="cannot be read \\(KeyError"):
         tiny_host.load_sampler_weights(aid + "-bad", str(tmp_path))
     assert not tiny_host.has_adapter(aid + "-bad")
     for a in (aid, aid + "-qv"):
