@@ -113,7 +113,7 @@ def load_training_state(folder: str | Path, with_optimizer: bool) -> TrainingSta
             step = meta["optimizer_step"]
             if step is None:
                 raise InvalidInputError(f"path: checkpoint at {folder} was saved without optimizer state")
-            if not isinstance(step, int) or step < 0:
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                 raise InvalidInputError(f"path: the checkpoint's optimizer step is {step!r}, not a count")
             moments = load_file(folder / "optimizer.safetensors", device="cpu")
             optim = AdamState(
@@ -134,7 +134,8 @@ def _readable(folder: Path) -> Iterator[None]:
         yield
     except InvalidInputError:
         raise
-    except (KeyError, TypeError, ValueError, SafetensorError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IsADirectoryError,
+            SafetensorError) as exc:
         raise InvalidInputError(f"path: the checkpoint at {folder.name!r} cannot be read "
                                 f"({type(exc).__name__}: {exc})", field="path") from exc
 
@@ -191,8 +192,9 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
     tensors. The kinds of layers (``train_attn`` ...) are read off the tensors, whatever
     form ``target_modules`` takes (names, full paths as peft writes for "all-linear", a
     regex). rsLoRA's scale (alpha / sqrt(r)) is kept by loading its alpha as alpha·sqrt(r).
-    A copy of a base layer that peft saves beside an adapted head (``base_layer.weight``,
-    its ``save_embedding_layers``) is skipped: the host serves its own base weights.
+    A copy of the base head that peft saves beside an adapted one (``lm_head.base_layer.weight``,
+    its ``save_embedding_layers``) is skipped: the host serves its own base weights (a
+    resized head still fails on the shape of B).
 
     Raises:
         InvalidInputError: the adapter is not plain LoRA on linear layers (DoRA, biases,
@@ -205,7 +207,7 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
         _refuse_other_than_plain_lora(cfg)
         weights = {}
         for key, tensor in load_file(folder / "adapter_model.safetensors", device="cpu").items():
-            if key.startswith(PEFT_PREFIX) and key.endswith(".base_layer.weight"):
+            if key.startswith(PEFT_PREFIX) and key.endswith(tuple(f"{head}.base_layer.weight" for head in UNEMBED)):
                 continue
             if not (key.startswith(PEFT_PREFIX) and key.endswith((".lora_A.weight", ".lora_B.weight"))):
                 raise InvalidInputError(f"path: adapter_model.safetensors holds {key!r}, not a LoRA A or B "

@@ -62,7 +62,8 @@ class GrowingLayer(DynamicLayer):
     takes buffers back after pointing the two at them."""
 
     _buffers: tuple[torch.Tensor, torch.Tensor] | None  # set by the properties (DynamicLayer's __init__)
-    _zeroed: tuple[torch.Tensor, torch.Tensor] | None = None  # the buffers whose room ``buffer_of`` zeroed
+    _room_zeroed = False  # whether ``buffer_of`` zeroed the current buffers' room (a flag, not a
+    # reference: the buffers must go when the layer lets them go)
 
     keys = _dropping_buffers("_keys")  # type: ignore[assignment]
     values = _dropping_buffers("_values")  # type: ignore[assignment]
@@ -91,11 +92,14 @@ class GrowingLayer(DynamicLayer):
     def _show(self, buffers: tuple[torch.Tensor, torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Point ``keys``/``values`` at the first ``length`` positions of ``buffers``, and
         keep those as the layer's."""
+        fresh = buffers is not self._buffers
         views = (buffers[0][:, :, :length], buffers[1][:, :, :length])
         for view in views:
             setattr(view, _LAYER, weakref.ref(self))  # weak: the layer holds the views
         self.keys, self.values = views
         self._buffers = buffers
+        if fresh:
+            self._room_zeroed = False
         return views
 
 
@@ -112,10 +116,10 @@ def buffer_of(view: torch.Tensor) -> torch.Tensor | None:
         return None
     for current, buffer in zip((layer.keys, layer.values), layer._buffers, strict=True):
         if current is view:
-            if layer._zeroed is not layer._buffers:  # updates write only below the view's end
+            if not layer._room_zeroed:  # later updates fill the room from its start, in order
                 for whole in layer._buffers:
                     whole[:, :, view.shape[-2]:].zero_()
-                layer._zeroed = layer._buffers
+                layer._room_zeroed = True
             return buffer
     return None
 

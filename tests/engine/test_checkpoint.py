@@ -186,6 +186,8 @@ DAMAGED_STATES = {  # case -> (file, edit, what the error says, in parts)
     "negative second moments": ("optimizer.safetensors", _moments_edited(lambda v: -1 - v),
                                 ("negative second moments",)),
     "a step of -1": ("trio_state.json", _set("optimizer_step", -1), ("optimizer step is -1, not a count",)),
+    "a step of true": ("trio_state.json", _set("optimizer_step", True), ("optimizer step is True, not a count",)),
+    "a list for a state": ("trio_state.json", lambda meta: [meta], ("cannot be read (AttributeError",)),
     "no step": ("trio_state.json", lambda meta: {k: v for k, v in meta.items() if k != "optimizer_step"},
                 ("cannot be read (KeyError",)),
     "an unknown config key": ("trio_state.json", lambda meta: {**meta, "lora_config": {

@@ -125,13 +125,14 @@ def test_the_views_name_their_buffers_whose_room_is_zeros(monkeypatch):
 
 def test_a_layer_lets_its_buffers_go_when_its_tensors_are_replaced():
     """As the sampler's merge and trim do: the old buffers are freed then, not held until
-    the layer's next update."""
+    the layer's next update (nor by a bf16 step's reading them, ``buffer_of``)."""
     import gc
     import weakref
 
     cache = GrowingCache()
     cache.update(*_kv(2, 40, 0), 0)
     layer = cache.layers[0]
+    assert buffer_of(layer.keys) is not None
     buffers = [weakref.ref(layer.keys._base), weakref.ref(layer.values._base)]  # the views' buffers
     layer.keys, layer.values = layer.keys[:, :, 3:].clone(), layer.values[:, :, 3:].clone()
     gc.collect()
