@@ -161,10 +161,9 @@ def _over_buffers(key: torch.Tensor, value: torch.Tensor,
     if keys_buffer is None or values_buffer is None or (hidden is not None and hidden.shape[-1] != key.shape[2]):
         return key, value, hidden
     length, capacity = key.shape[2], keys_buffer.shape[2]
-    room = torch.arange(capacity, device=key.device) >= length  # (capacity,)
-    if hidden is None:
-        return keys_buffer, values_buffer, room.view(1, 1, 1, 1, capacity)
-    room = room[length:].expand(*hidden.shape[:-1], capacity - length)
+    if hidden is None:  # nothing hidden among the keys: one row that every batch row shares
+        hidden = torch.zeros(1, 1, 1, 1, length, dtype=torch.bool, device=key.device)
+    room = torch.ones(capacity - length, dtype=torch.bool, device=key.device).expand(*hidden.shape[:-1], -1)
     return keys_buffer, values_buffer, torch.cat([hidden, room], dim=-1)
 
 

@@ -185,6 +185,8 @@ PEFT_PLAIN_LORA: dict[str, object] = {
 # initialisations that move the base weights (the adapter expects them moved unless saved
 # converted, when peft writes plain LoRA)
 BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+# the copy of the base head peft saves beside an adapted one (its save_embedding_layers)
+PEFT_HEAD_COPIES = tuple(f"{head}.base_layer.weight" for head in UNEMBED)
 
 
 def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
@@ -207,7 +209,7 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
         _refuse_other_than_plain_lora(cfg)
         weights = {}
         for key, tensor in load_file(folder / "adapter_model.safetensors", device="cpu").items():
-            if key.startswith(PEFT_PREFIX) and key.endswith(tuple(f"{head}.base_layer.weight" for head in UNEMBED)):
+            if key.startswith(PEFT_PREFIX) and key.endswith(PEFT_HEAD_COPIES):
                 continue
             if not (key.startswith(PEFT_PREFIX) and key.endswith((".lora_A.weight", ".lora_B.weight"))):
                 raise InvalidInputError(f"path: adapter_model.safetensors holds {key!r}, not a LoRA A or B "
