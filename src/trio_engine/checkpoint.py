@@ -41,7 +41,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import CheckpointWriteError, InvalidInputError
-from .lora import LoraConfig
+from .lora import LoraConfig, LoRAExperts
 from .model import ALL_ATTN, ALL_MLP, UNEMBED
 from .optim import AdamState
 
@@ -148,8 +148,7 @@ def save_peft_adapter(
     Raises:
         CheckpointWriteError: the folder could not be written; an old one is unchanged.
     """
-    # "<module>.lora_A" -> "base_model.model.<module>.lora_A.weight", PEFT's key layout
-    tensors = {f"{PEFT_PREFIX}{k}.weight": v for k, v in _detached(params).items()}
+    tensors = dict(_peft_tensor(name, tensor) for name, tensor in _detached(params).items())
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -162,7 +161,9 @@ def save_peft_adapter(
         "inference_mode": True,
         "use_rslora": False,
         # the layers the adapter really has (a family's own names, e.g. Phi-3's qkv_proj)
-        "target_modules": sorted({key.rsplit(".", 2)[-2] for key in params}),
+        "target_modules": sorted({key.rsplit(".", 2)[-2] for key, t in params.items() if t.dim() == 2}),
+        # and the experts' ("experts.gate_up_proj": ``LoRAExperts``), which peft adapts as parameters
+        "target_parameters": sorted({".".join(key.rsplit(".", 3)[-3:-1]) for key, t in params.items() if t.dim() == 3}),
     }
 
     def fill(tmp: Path) -> None:
@@ -172,13 +173,33 @@ def save_peft_adapter(
     write_folder(folder, fill)
 
 
+# peft adapts experts (3-D tensors) as parameters: one ``lora.ParamWrapper`` per tensor,
+# nested in the order the module registers them (the first innermost, under the others'
+# ``base_layer``), A as (E·r, in) and B as (out, r·E) with the expert the fastest index of
+# B's columns (peft's ``ParamWrapper.get_delta_weight``). Ours: A (E, r, in), B (E, out, r).
+
+
+def _peft_tensor(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Our adapter tensor as peft's key and layout."""
+    if tensor.dim() == 2:
+        return f"{PEFT_PREFIX}{name}.weight", tensor  # "<module>.lora_A" -> "base_model.model.<module>.lora_A.weight"
+    experts_path, part, matrix = name.rsplit(".", 2)
+    nesting = ".base_layer" * (len(LoRAExperts.PARTS) - 1 - LoRAExperts.PARTS.index(part))
+    experts, rows, cols = tensor.shape
+    if matrix == "lora_A":  # (E, r, in) -> (E·r, in)
+        peft = tensor.reshape(experts * rows, cols)
+    else:  # (E, out, r) -> (out, r·E)
+        peft = tensor.permute(1, 2, 0).reshape(rows, cols * experts)
+    return f"{PEFT_PREFIX}{experts_path}{nesting}.{matrix}.weight", peft.contiguous()
+
+
 # adapter_config.json settings that make an adapter other than plain LoRA on linear layers
 # (which a TRIO adapter cannot hold, or which peft applies another way): each must be
 # absent, empty, or as given
 PEFT_PLAIN_LORA: dict[str, object] = {
     "peft_type": "LORA", "bias": "none", "fan_in_fan_out": False, "use_dora": False, "lora_bias": False,
     "use_qalora": False, "use_bdlora": False, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": [],
-    "target_parameters": [], "trainable_token_indices": [], "layer_replication": [],
+    "trainable_token_indices": [], "layer_replication": [],
     "alora_invocation_tokens": [], "arrow_config": {}, "kasa_config": {}, "monteclora_config": {},
     "velora_config": {},
 }
@@ -199,8 +220,9 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
     resized head still fails on the shape of B).
 
     Raises:
-        InvalidInputError: the adapter is not plain LoRA on linear layers (DoRA, biases,
-            per-layer ranks, saved modules, MoE parameters, ...: ``PEFT_PLAIN_LORA``), was
+        InvalidInputError: the adapter is not plain LoRA on linear layers and experts'
+            ``gate_up_proj``/``down_proj`` (DoRA, biases, per-layer ranks, saved modules,
+            other parameters, ...: ``PEFT_PLAIN_LORA``), was
             initialised by moving the base weights, or the folder cannot be read.
     """
     folder = Path(folder)
@@ -214,7 +236,8 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
             if not (key.startswith(PEFT_PREFIX) and key.endswith((".lora_A.weight", ".lora_B.weight"))):
                 raise InvalidInputError(f"path: adapter_model.safetensors holds {key!r}, not a LoRA A or B "
                                         f"matrix ({PEFT_PREFIX}<module>.lora_A.weight)", field="path")
-            weights[key[len(PEFT_PREFIX) : -len(".weight")]] = tensor.float()
+            name, tensor = _from_peft(key[len(PEFT_PREFIX) : -len(".weight")], tensor.float(), cfg)
+            weights[name] = tensor
         layers = {key.rsplit(".", 2)[-2] for key in weights}
         rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
         config = LoraConfig(
@@ -227,7 +250,38 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
         return config, weights
 
 
+def _from_peft(name: str, tensor: torch.Tensor, cfg: dict[str, Any]) -> tuple[str, torch.Tensor]:
+    """A peft tensor (its key less prefix and ``.weight``) as our name and layout (the
+    inverse of ``_peft_tensor``; which experts' part a nested key is, from the config's
+    ``target_parameters``)."""
+    module, matrix = name.rsplit(".", 1)
+    depth = 0
+    while module.endswith(".base_layer"):
+        module, depth = module[: -len(".base_layer")], depth + 1
+    targets = cfg.get("target_parameters") or []
+    parts = [part for part in LoRAExperts.PARTS
+             if any(f"{module}.{part}" == t or f"{module}.{part}".endswith("." + t) for t in targets)]
+    if not parts:
+        if depth:
+            raise InvalidInputError(f"path: adapter_model.safetensors holds {name!r}, under a base_layer of a module "
+                                    "no target_parameters entry names", field="path")
+        return name, tensor
+    if depth >= len(parts) or tensor.dim() != 2 or tensor.shape[matrix == "lora_B"] % int(cfg["r"]):
+        raise InvalidInputError(f"path: adapter_model.safetensors holds {name!r}, which fits none of the "
+                                f"{parts} that target_parameters names on {module!r}", field="path")
+    part, rank = parts[len(parts) - 1 - depth], int(cfg["r"])
+    if matrix == "lora_A":  # (E·r, in) -> (E, r, in)
+        ours = tensor.reshape(-1, rank, tensor.shape[1])
+    else:  # (out, r·E) -> (E, out, r)
+        ours = tensor.reshape(tensor.shape[0], rank, -1).permute(2, 0, 1)
+    return f"{module}.{part}.{matrix}", ours.contiguous()
+
+
 def _refuse_other_than_plain_lora(cfg: dict[str, Any]) -> None:
+    others = [t for t in cfg.get("target_parameters") or [] if str(t).rpartition(".")[2] not in LoRAExperts.PARTS]
+    if others:
+        raise InvalidInputError(f"path: adapter_config.json has target_parameters={others!r}; TRIO adapts the "
+                                f"parameters {list(LoRAExperts.PARTS)} of mixture-of-experts blocks only", field="path")
     for key, plain in PEFT_PLAIN_LORA.items():
         value = cfg.get(key)
         if not (value is None or value == plain or (not value and not plain)):

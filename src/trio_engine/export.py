@@ -16,6 +16,7 @@ linear layer,
 
 computed in fp32 and cast back to the dtype the base is stored in. This is exactly the
 function our LoRALinear computes (``x W0ᵀ + (alpha/r)(x Aᵀ)Bᵀ``), up to fp32 rounding.
+Experts' tensors (``lora.LoRAExperts``) get the same per expert: W[e] += (alpha / r) B[e] @ A[e].
 
 Tied embeddings: a model such as SmolLM2 shares one matrix between ``embed_tokens``
 (input) and ``lm_head`` (unembedding). Our LoRA on ``lm_head`` changes only the
@@ -65,7 +66,8 @@ class ExportError(ValueError):
 @dataclass
 class Adapter:
     """A checkpoint's LoRA: ``weights`` maps ``"<module>.lora_A"`` (r, in) and
-    ``"<module>.lora_B"`` (out, r) to fp32 tensors, module paths as in the plain model."""
+    ``"<module>.lora_B"`` (out, r) to fp32 tensors, module paths as in the plain model
+    (experts: ``"<experts>.<part>.lora_A"`` (E, r, in) and ``.lora_B`` (E, out, r))."""
 
     base_model: str
     config: LoraConfig
@@ -171,6 +173,9 @@ def merge_into(model: nn.Module, adapter: Adapter) -> bool:
     untied = False
     with torch.no_grad():
         for name in adapter.modules():
+            if adapter.weights[f"{name}.lora_A"].dim() == 3:
+                _merge_experts(model, name, adapter)
+                continue
             try:
                 layer = model.get_submodule(name)
             except AttributeError:
@@ -187,6 +192,23 @@ def merge_into(model: nn.Module, adapter: Adapter) -> bool:
                 untied = True
             layer.weight += adapter.config.scale * (b @ a)  # (out, in)
     return untied
+
+
+def _merge_experts(model: nn.Module, name: str, adapter: Adapter) -> None:
+    """Add ``scale · B[e] @ A[e]`` to each expert's weights of the experts' tensor ``name``
+    (``"<experts>.<part>"``, (E, out, in): ``lora.LoRAExperts``)."""
+    path, _, part = name.rpartition(".")
+    try:
+        weight = getattr(model.get_submodule(path), part)
+    except AttributeError:
+        raise ExportError(f"adapter tensor {name!r} is not in base model {adapter.base_model!r}") from None
+    a = adapter.weights[f"{name}.lora_A"].float()  # (E, r, in)
+    b = adapter.weights[f"{name}.lora_B"].float()  # (E, out, r)
+    if not isinstance(weight, torch.Tensor) or weight.shape != (a.shape[0], b.shape[1], a.shape[2]) \
+            or a.shape[1] != b.shape[2]:
+        raise ExportError(f"adapter tensor {name!r}: A {tuple(a.shape)}, B {tuple(b.shape)} do not fit "
+                          f"experts of shape {tuple(getattr(weight, 'shape', ()))}")
+    weight += adapter.config.scale * torch.bmm(b, a)
 
 
 def add_legacy_rope_keys(config_file: Path) -> None:

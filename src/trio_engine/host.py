@@ -444,7 +444,7 @@ class ModelHost:
         input_ids = torch.tensor(
             [ex.tokens + [pad] * (width - len(ex.tokens)) for ex in examples], device=dev
         )  # (B, T)
-        with self.routing.use(lora.segments(row_adapters)):
+        with self.routing.use(lora.segments(row_adapters), rows=len(row_adapters)):
             hidden = self.trunk(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, H)
         real = torch.arange(width, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
         return hidden[real]
@@ -503,7 +503,7 @@ class ModelHost:
     ) -> torch.Tensor:
         # routing is set here, inside the checkpointed function, so the backward's
         # recomputation routes the chunk's rows to their adapters again
-        with self.routing.use(lora.segments(token_adapters)):
+        with self.routing.use(lora.segments(token_adapters), rows=len(token_adapters)):
             logits = self.unembed(hidden)  # (n, V) fp32
         return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # (n,)
 

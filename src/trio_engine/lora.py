@@ -78,19 +78,40 @@ class Routing:
     def __init__(self) -> None:
         self.segments: list[tuple[str, slice | None]] = []
         self.over_tokens = False
+        self.rows: int | None = None
 
     @contextmanager
-    def use(self, segments: list[tuple[str, slice | None]], over_tokens: bool = False) -> Iterator[None]:
+    def use(self, segments: list[tuple[str, slice | None]], over_tokens: bool = False,
+            rows: int | None = None) -> Iterator[None]:
         """Route rows: ``[(adapter_id, slice of rows, or None for all rows)]``, the slices
         in row order and disjoint (as ``segments`` makes them). ``over_tokens``: the
         slices count tokens (the rows of an input's leading dimensions flattened), as a
-        packed pass needs, whose one row holds sequences of several adapters."""
-        previous = self.segments, self.over_tokens
-        self.segments, self.over_tokens = segments, over_tokens
+        packed pass needs, whose one row holds sequences of several adapters. ``rows``:
+        the batch's rows, which a layer that sees the tokens flattened (``LoRAExperts``)
+        needs to place row slices."""
+        previous = self.segments, self.over_tokens, self.rows
+        self.segments, self.over_tokens, self.rows = segments, over_tokens, rows
         try:
             yield
         finally:
-            self.segments, self.over_tokens = previous
+            self.segments, self.over_tokens, self.rows = previous
+
+    def token_runs(self, tokens: int) -> list[tuple[str, int, int]]:
+        """The runs as (adapter_id, first token, end) over an input of ``tokens`` rows
+        flattened from the batch's (rows, tokens per row)."""
+        runs = []
+        for adapter_id, run in self.segments:
+            if run is None:
+                runs.append((adapter_id, 0, tokens))
+            elif self.over_tokens:
+                runs.append((adapter_id, run.start, run.stop))
+            else:
+                if not self.rows:
+                    raise RuntimeError("routing: row slices reach a layer that sees tokens flattened, "
+                                       "but Routing.use was not told the batch's rows")
+                per_row = tokens // self.rows
+                runs.append((adapter_id, run.start * per_row, run.stop * per_row))
+        return runs
 
 
 class LoRALinear(nn.Module):
@@ -112,36 +133,27 @@ class LoRALinear(nn.Module):
     def weight(self) -> torch.Tensor:  # models that tie or inspect weights still work
         return self.base.weight
 
-    def shapes(self, rank: int) -> list[torch.Size]:
-        """The shapes of an adapter's A and B here."""
+    def named_shapes(self, rank: int) -> dict[str, torch.Size]:
+        """The shapes of an adapter's A and B here, by their names' suffixes."""
         out_f, in_f = self.base.weight.shape
-        return [torch.Size((rank, in_f)), torch.Size((out_f, rank))]
+        return {"lora_A": torch.Size((rank, in_f)), "lora_B": torch.Size((out_f, rank))}
+
+    def tensors(self, adapter_id: str) -> dict[str, torch.Tensor]:
+        return {"lora_A": self.lora_A[adapter_id], "lora_B": self.lora_B[adapter_id]}
 
     def add(self, adapter_id: str, rank: int, scale: float, gen: torch.Generator,
-            storage: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Add an adapter. ``storage``: zeroed fp32 tensors of ``shapes(rank)`` on the
-        layer's device to hold A and B (``add_adapter`` packs a whole adapter in one
+            storage: Sequence[torch.Tensor] | None = None) -> None:
+        """Add an adapter. ``storage``: zeroed fp32 tensors of ``named_shapes(rank)`` on
+        the layer's device to hold A and B (``add_adapter`` packs a whole adapter in one
         buffer); None: new ones."""
-        in_f = self.base.weight.shape[1]
-        a, b = storage or packed(self.shapes(rank), self.base.weight.device)
-        # A as PEFT's default (kaiming-uniform, a=sqrt(5)) -> U(-1/sqrt(in), 1/sqrt(in)); B = 0.
-        # Drawn by the CPU generator ``gen`` then copied: the same seed, the same A anywhere.
-        bound = 1.0 / math.sqrt(in_f)
-        a.copy_((torch.rand(rank, in_f, generator=gen) * 2 - 1) * bound)
+        a, b = storage or packed(list(self.named_shapes(rank).values()), self.base.weight.device)
+        _draw_a(a, gen)
         self.lora_A[adapter_id] = a.requires_grad_(True)
         self.lora_B[adapter_id] = b.requires_grad_(True)
         self.scales[adapter_id] = scale
 
     def _as(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``p`` in ``dtype``; cached outside autograd so decode steps don't re-cast."""
-        if p.dtype == dtype or torch.is_grad_enabled():
-            return p.to(dtype)
-        key = (id(p), dtype)
-        hit = self._casts.get(key)
-        if hit is None or hit[0] != p._version:
-            hit = (p._version, p.detach().to(dtype))
-            self._casts[key] = hit
-        return hit[1]
+        return _cast(self._casts, p, dtype)
 
     def remove(self, adapter_id: str) -> None:
         if self.group is not None:
@@ -163,6 +175,28 @@ class LoRALinear(nn.Module):
         a = self._as(self.lora_A[adapter_id], x.dtype)
         b = self._as(self.lora_B[adapter_id], x.dtype)
         return _add_low_rank(out, x, a, b, self.scales[adapter_id])
+
+
+def _draw_a(a: torch.Tensor, gen: torch.Generator) -> None:
+    """Fill A (..., r, in) as PEFT's default does (kaiming-uniform, a=sqrt(5)):
+    U(-1/sqrt(in), 1/sqrt(in)); B stays 0. Drawn by the CPU generator ``gen`` then copied:
+    the same seed, the same A on any device."""
+    bound = 1.0 / math.sqrt(a.shape[-1])
+    a.copy_((torch.rand(a.shape, generator=gen) * 2 - 1) * bound)
+
+
+def _cast(cache: dict[tuple[int, torch.dtype], tuple[int, torch.Tensor]], p: torch.Tensor,
+          dtype: torch.dtype) -> torch.Tensor:
+    """``p`` in ``dtype``; outside autograd kept in ``cache`` (by the tensor and its version
+    counter, which every in-place optimizer update bumps) so decode steps don't re-cast."""
+    if p.dtype == dtype or torch.is_grad_enabled():
+        return p.to(dtype)
+    key = (id(p), dtype)
+    hit = cache.get(key)
+    if hit is None or hit[0] != p._version:
+        hit = (p._version, p.detach().to(dtype))
+        cache[key] = hit
+    return hit[1]
 
 
 def with_adapters(out: torch.Tensor, x: torch.Tensor, routing: Routing, adapters: Collection[str],
@@ -274,6 +308,177 @@ class SiblingGroup:
             self._stacks[(adapter_id, dtype)] = hit
         return hit[1], hit[2]
 
+
+
+class LoRAExperts(nn.Module):
+    """A mixture-of-experts block's experts plus any number of named low-rank adapters.
+
+    The experts are transformers 5's 3-D tensors ``gate_up_proj`` (E, 2I, H) and
+    ``down_proj`` (E, H, I) (Qwen2/3-MoE, Mixtral, OLMoE and others). An adapter holds a
+    rank-r pair per expert for each: A (E, r, in) and B (E, out, r). For a token routed to
+    expert e, under adapter a,
+
+        h = gate(x W_gu[e]ᵀ + s (x A_gu[e]ᵀ) B_gu[e]ᵀ),   y = h W_d[e]ᵀ + s (h A_d[e]ᵀ) B_d[e]ᵀ
+
+    which is what peft's LoRA on ``target_parameters`` does (a low-rank change of each
+    expert's weights). Tokens are routed to adapters as by ``LoRALinear`` (the block sees
+    them flattened, so ``Routing.token_runs``); a pass without adapters runs the module's
+    own forward.
+
+    The experts are computed one after another, each on its tokens (sorted by expert,
+    which keeps each adapter's tokens together): a Python loop over the experts hit, fine
+    for a CPU and a small model, not a grouped GEMM. Only the layout above is wrapped
+    (``fits``), and only where a probe gives the module's own output (``agrees``); other
+    layouts (biases, transposed or interleaved weights) stay refused by
+    ``model.select_targets``.
+    """
+
+    PARTS = ("gate_up_proj", "down_proj")
+
+    def __init__(self, base: nn.Module, routing: Routing):
+        super().__init__()
+        self.base = base
+        self.routing = routing
+        self.lora_A: dict[str, dict[str, torch.Tensor]] = {}  # id -> part -> (E, r, in), fp32
+        self.lora_B: dict[str, dict[str, torch.Tensor]] = {}  # id -> part -> (E, out, r), fp32
+        self.scales: dict[str, float] = {}
+        self._casts: dict[tuple[int, torch.dtype], tuple[int, torch.Tensor]] = {}
+
+    def weight(self, part: str) -> torch.Tensor:
+        """The base experts' weights of ``part`` (one of ``PARTS``): (E, out, in)."""
+        return cast(torch.Tensor, getattr(self.base, part))
+
+    @staticmethod
+    def fits(module: nn.Module) -> bool:
+        """Whether ``module`` holds experts in the one layout this class computes (the
+        flags are those transformers' ``use_experts_implementation`` sets)."""
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)
+                and gate_up.dim() == 3 and down.dim() == 3):
+            return False
+        experts, double_inner, hidden = gate_up.shape
+        flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+                 "has_post_expert_norm": False}
+        # peft nests its wrappers of a module's tensors in their order (checkpoint._peft_tensor)
+        registered = [name for name, _ in module.named_parameters(recurse=False) if name in LoRAExperts.PARTS]
+        return (down.shape == (experts, hidden, double_inner // 2) and double_inner % 2 == 0
+                and registered == list(LoRAExperts.PARTS)
+                and all(getattr(module, flag, None) is value for flag, value in flags.items())
+                and callable(getattr(module, "_apply_gate", None)))
+
+    def agrees(self) -> bool:
+        """Whether this class's computation gives the module's own output on a probe of a
+        few random tokens (a family that computes its experts otherwise is not wrapped)."""
+        weight = self.weight("gate_up_proj")
+        experts, _, hidden = weight.shape
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        tokens, top_k = 6, min(2, experts)
+        x = torch.randn(tokens, hidden, generator=gen).to(weight.device, weight.dtype)
+        index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(weight.device)
+        weights = torch.rand(tokens, top_k, generator=gen).to(weight.device, weight.dtype)
+        with torch.no_grad():
+            own = self.base(x, index, weights).float()
+            ours = self._computed(x, index, weights, []).float()
+        tolerance = 1e-4 if weight.dtype == torch.float32 else 3e-2
+        return bool(torch.allclose(ours, own, rtol=tolerance, atol=tolerance * float(own.abs().max())))
+
+    def named_shapes(self, rank: int) -> dict[str, torch.Size]:
+        shapes = {}
+        for part in self.PARTS:
+            experts, out_f, in_f = self.weight(part).shape
+            shapes[f"{part}.lora_A"] = torch.Size((experts, rank, in_f))
+            shapes[f"{part}.lora_B"] = torch.Size((experts, out_f, rank))
+        return shapes
+
+    def tensors(self, adapter_id: str) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for part in self.PARTS:
+            tensors[f"{part}.lora_A"] = self.lora_A[adapter_id][part]
+            tensors[f"{part}.lora_B"] = self.lora_B[adapter_id][part]
+        return tensors
+
+    def add(self, adapter_id: str, rank: int, scale: float, gen: torch.Generator,
+            storage: Sequence[torch.Tensor] | None = None) -> None:
+        """Add an adapter (``LoRALinear.add``; ``storage`` in ``named_shapes`` order)."""
+        views = list(storage or packed(list(self.named_shapes(rank).values()), self.weight("down_proj").device))
+        self.lora_A[adapter_id], self.lora_B[adapter_id] = {}, {}
+        for part, a, b in zip(self.PARTS, views[::2], views[1::2], strict=True):
+            _draw_a(a, gen)
+            self.lora_A[adapter_id][part] = a.requires_grad_(True)
+            self.lora_B[adapter_id][part] = b.requires_grad_(True)
+        self.scales[adapter_id] = scale
+
+    def remove(self, adapter_id: str) -> None:
+        for tensors in (self.lora_A.pop(adapter_id, {}), self.lora_B.pop(adapter_id, {})):
+            for p in tensors.values():
+                for dtype in (torch.bfloat16, torch.float16):
+                    self._casts.pop((id(p), dtype), None)
+        self.scales.pop(adapter_id, None)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        runs = [run for run in self.routing.token_runs(hidden.shape[0]) if run[0] in self.lora_A]
+        if not runs:
+            return self.base(hidden, top_k_index, top_k_weights)
+        return self._computed(hidden, top_k_index, top_k_weights, runs)
+
+    def _computed(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  runs: list[tuple[str, int, int]]) -> torch.Tensor:
+        """The experts' output for tokens ``hidden`` (N, H), each sent to ``top_k_index``'s
+        experts (N, k) with ``top_k_weights``, the tokens of ``runs`` through their adapters."""
+        tokens, top_k = top_k_index.shape
+        chosen = top_k_index.reshape(-1)
+        order = torch.argsort(chosen, stable=True)  # by expert, then by token
+        sources = order // top_k
+        counts = torch.bincount(chosen, minlength=self.weight("down_proj").shape[0]).tolist()
+        pieces = _pieces_by_expert(sources.tolist(), counts, runs)
+        apply_gate = cast(Callable[[torch.Tensor], torch.Tensor], self.base._apply_gate)
+        inner = apply_gate(self._per_expert(hidden[sources], "gate_up_proj", pieces))
+        out = self._per_expert(inner, "down_proj", pieces) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        unsorted = out[torch.argsort(order)]
+        return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+
+    def _per_expert(self, x: torch.Tensor, part: str, pieces: list[tuple[int, list[int], list[str | None]]]):
+        weight = self.weight(part)
+        outs = []
+        for (expert, cuts, owners), x_e in zip(pieces, x.split([sum(c) for _, c, _ in pieces]), strict=True):
+            y = nn.functional.linear(x_e, weight[expert])
+            if any(owners):
+                y = torch.cat([y_p if a is None else self._adapted(y_p, x_p, a, part, expert)
+                               for y_p, x_p, a in zip(y.split(cuts), x_e.split(cuts), owners, strict=True)])
+            outs.append(y)
+        return torch.cat(outs)
+
+    def _adapted(self, out: torch.Tensor, x: torch.Tensor, adapter_id: str, part: str, expert: int) -> torch.Tensor:
+        a, b = (self._factor(t[adapter_id][part], expert, x.dtype) for t in (self.lora_A, self.lora_B))
+        return _add_low_rank(out, x, a, b, self.scales[adapter_id])
+
+    def _factor(self, p: torch.Tensor, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """One expert's A or B in ``dtype``: under autograd cast alone (the stacks of the
+        others would be cast once per expert), outside it from the cached cast stack."""
+        if torch.is_grad_enabled():
+            return p[expert].to(dtype)
+        return _cast(self._casts, p, dtype)[expert]
+
+
+def _pieces_by_expert(sources: list[int], counts: list[int], runs: list[tuple[str, int, int]]
+                      ) -> list[tuple[int, list[int], list[str | None]]]:
+    """For each expert with tokens: (expert, the sizes its sorted tokens are cut into, each
+    part's adapter or None). ``sources``: the token of each (token, expert) pair, sorted by
+    expert then token, so an adapter's tokens (a run of consecutive tokens) are together."""
+    pieces = []
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            local = []
+            for adapter_id, first, end in runs:
+                lo = bisect.bisect_left(sources, first, start, start + count) - start
+                hi = bisect.bisect_left(sources, end, start, start + count) - start
+                if hi > lo:
+                    local.append((adapter_id, slice(lo, hi)))
+            cuts, owners = _cut_at_runs(local, count)
+            pieces.append((expert, cuts, owners))
+        start += count
+    return pieces
 
 # Decode-sized inference products (a few rows) in fp32 on the CPU: which of x Wᵀ (the
 # usual form) and W xᵀ is faster depends on the CPU's BLAS kernels for skinny products,
@@ -418,14 +623,20 @@ def _cut_at_runs(runs: list[tuple[str, slice]], rows: int) -> tuple[list[int], l
 def install(model: nn.Module, suffixes: Collection[str],
             sibling_names: Sequence[tuple[str, ...]] = ()) -> Routing:
     """Wrap every linear layer of ``model`` named one of ``suffixes`` once (the model
-    family's targets, ``model.FamilySpec.all_targets``), and fuse each module's children
+    family's targets, ``model.FamilySpec.all_targets``), and every mixture-of-experts
+    block's experts in ``LoRAExperts``' layout when ``suffixes`` name both its parts; fuse each module's children
     named as one of ``sibling_names`` (``FamilySpec.siblings``) into a ``SiblingGroup``
     where they fit (``fuse``); returns the shared Routing."""
     routing = Routing()
+    wraps_experts = set(LoRAExperts.PARTS) <= set(suffixes)
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if child_name in suffixes and isinstance(child, nn.Linear):
                 setattr(module, child_name, LoRALinear(child, routing))
+            elif wraps_experts and LoRAExperts.fits(child):
+                experts = LoRAExperts(child, routing)
+                if experts.agrees():
+                    setattr(module, child_name, experts)
     for module in list(model.modules()):
         for names in sibling_names:
             members = [getattr(module, name, None) for name in names]
@@ -479,10 +690,10 @@ def _stacked_in_place(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.detach().as_strided((rows, first.shape[1]), (first.shape[1], 1))
 
 
-def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear | LoRAExperts]]:
     """(module path as in the plain model, wrapper) for every wrapped layer."""
     for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
+        if isinstance(module, LoRALinear | LoRAExperts):
             yield name, module
 
 
@@ -499,24 +710,26 @@ def add_adapter(model: nn.Module, adapter_id: str, config: LoraConfig, targets: 
     chosen = [module for _, module in _targeted(model, targets)]
     if not chosen:
         return
-    shapes = [shape for module in chosen for shape in module.shapes(config.rank)]
-    views = packed(shapes, chosen[0].base.weight.device)  # the whole adapter in one buffer
-    for module, a, b in zip(chosen, views[::2], views[1::2], strict=True):
-        module.add(adapter_id, config.rank, config.scale, gen, (a, b))
+    per_module = [list(module.named_shapes(config.rank).values()) for module in chosen]
+    device = next(chosen[0].base.parameters()).device
+    views = iter(packed([shape for shapes in per_module for shape in shapes], device))  # one buffer
+    for module, shapes in zip(chosen, per_module, strict=True):
+        module.add(adapter_id, config.rank, config.scale, gen, [next(views) for _ in shapes])
 
 
 def adapter_shapes(model: nn.Module, rank: int, targets: Collection[str]) -> dict[str, torch.Size]:
     """The names and shapes ``adapter_tensors`` gives an adapter of ``rank`` on ``targets``
     (``add_adapter``'s), without making one: what a saved adapter must match to load."""
-    shapes: dict[str, torch.Size] = {}
-    for name, module in _targeted(model, targets):
-        shapes[f"{name}.lora_A"], shapes[f"{name}.lora_B"] = module.shapes(rank)
-    return shapes
+    return {f"{name}.{suffix}": shape for name, module in _targeted(model, targets)
+            for suffix, shape in module.named_shapes(rank).items()}
 
 
-def _targeted(model: nn.Module, targets: Collection[str]) -> list[tuple[str, LoRALinear]]:
-    """The wrapped layers an adapter on ``targets`` (layer names) adapts, in model order."""
-    return [(name, module) for name, module in lora_modules(model) if name.rsplit(".", 1)[-1] in targets]
+def _targeted(model: nn.Module, targets: Collection[str]) -> list[tuple[str, LoRALinear | LoRAExperts]]:
+    """The wrapped layers an adapter on ``targets`` (layer names; experts by their parts'
+    names) adapts, in model order."""
+    return [(name, module) for name, module in lora_modules(model)
+            if (set(LoRAExperts.PARTS) <= set(targets) if isinstance(module, LoRAExperts)
+                else name.rsplit(".", 1)[-1] in targets)]
 
 
 def remove_adapter(model: nn.Module, adapter_id: str) -> None:
@@ -525,12 +738,12 @@ def remove_adapter(model: nn.Module, adapter_id: str) -> None:
 
 
 def adapter_tensors(model: nn.Module, adapter_id: str) -> dict[str, torch.Tensor]:
-    """``{"<module>.lora_A": A, "<module>.lora_B": B}``: the adapter's parameters, live."""
+    """``{"<module>.lora_A": A, "<module>.lora_B": B}``: the adapter's parameters, live (for
+    experts ``"<experts>.<part>.lora_A"``, one pair per part: ``LoRAExperts``)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, module in lora_modules(model):
         if adapter_id in module.lora_A:
-            tensors[f"{name}.lora_A"] = module.lora_A[adapter_id]
-            tensors[f"{name}.lora_B"] = module.lora_B[adapter_id]
+            tensors.update({f"{name}.{suffix}": t for suffix, t in module.tensors(adapter_id).items()})
     return tensors
 
 

@@ -43,7 +43,7 @@ from transformers import PreTrainedModel
 
 from .catalog import ModelNotAvailableError
 from .errors import InvalidInputError
-from .lora import LoraConfig, LoRALinear
+from .lora import LoraConfig, LoRAExperts, LoRALinear
 
 LLAMA_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
@@ -249,8 +249,11 @@ def select_targets(model: nn.Module, spec: FamilySpec, config: LoraConfig) -> tu
     in_text = _text_forward_filter(model)
     linears = [name for name, module in model.named_modules()
                if isinstance(module, nn.Linear | LoRALinear) and in_text(name)]
+    # wrapped experts count as their parts' layers (``model.layers.0.mlp.experts.down_proj``)
+    experts = [name for name, module in model.named_modules() if isinstance(module, LoRAExperts) and in_text(name)]
+    linears += [f"{name}.{part}" for name in experts for part in LoRAExperts.PARTS]
     present = {_leaf(name) for name in linears}
-    params = [name for name, _ in model.named_parameters() if in_text(name)]
+    params = [name for name, _ in model.named_parameters() if in_text(name) and not _within(name, experts)]
     chosen: list[str] = []
     for field, names in spec.requested(config).items():
         _refuse_weights_outside_linears(params, field, names)
@@ -298,16 +301,18 @@ def _within(name: str, parts: list[str]) -> bool:
 
 def _refuse_weights_outside_linears(params: list[str], field: str, names: tuple[str, ...]) -> None:
     """Refuse ``field`` when a parameter is named as one of its targets itself rather than
-    being a linear layer's ``weight``: the experts of a mixture-of-experts block, which
-    transformers 5 keeps as 3-D tensors (``mlp.experts.gate_up_proj``: Qwen2/3-MoE,
-    Mixtral, OLMoE, GPT-OSS, DeepSeek-V3). Qwen2-MoE's shared expert is a plain
-    ``gate_proj``/``up_proj``/``down_proj`` beside them, which alone would have made an
-    adapter of one expert in dozens."""
+    being a linear layer's ``weight`` or a part of experts that ``lora.LoRAExperts``
+    wraps (``params`` leaves those out): a mixture-of-experts block's experts in another
+    layout, kept as 3-D tensors (GPT-OSS's, with biases and interleaved gate and up
+    projections). Qwen2-MoE's shared expert is a plain ``gate_proj``/``up_proj``/
+    ``down_proj`` beside its experts, which alone would have made an adapter of one
+    expert in dozens."""
     outside = [name for name in params if _leaf(name) in names]
     if outside:
         raise InvalidInputError(
             f"{field}: true, but this model keeps {_listed(outside)} as tensors outside linear layers "
-            "(a mixture-of-experts block's experts), which TRIO's LoRA does not adapt; set "
+            "(a mixture-of-experts block's experts) in a layout TRIO's LoRA does not adapt (it adapts "
+            "experts of 3-D gate_up_proj (E, 2I, H) and down_proj (E, H, I) without biases); set "
             f"{field}=false to adapt the other kinds of layers",
             field=field,
         )

@@ -39,8 +39,8 @@ LONGROPE = _tiny("test/tiny-phi3-longrope", "phi3", tokenizer="smollm2", origina
                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
                                   "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                   "long_factor": [2.0 + 0.7 * i for i in range(8)]})
-# A mixture-of-experts model, whose experts are 3-D tensors LoRA does not adapt
-# (``model.select_targets``): not in FAMILY_SOURCES, whose tests adapt every kind of layer.
+# A mixture-of-experts model, whose experts are 3-D tensors (``lora.LoRAExperts``;
+# tests in test_experts.py).
 QWEN3_MOE = _tiny("test/tiny-qwen3-moe", "qwen3_moe", tokenizer="qwen", moe_intermediate_size=16, num_experts=4,
                   num_experts_per_tok=2)
 TEST_CATALOG = Catalog({**BUILTIN_SOURCES, **{s.name: s for s in (*FAMILY_SOURCES.values(), LONGROPE, QWEN3_MOE)}})

@@ -298,7 +298,7 @@ def test_peft_adapters_on_some_layers_load_and_others_are_refused(tiny_host, new
                                                      for k in kept}
 
     for key, value in [("use_dora", True), ("rank_pattern", {"q_proj": 8}), ("modules_to_save", ["lm_head"]),
-                       ("bias", "lora_only"), ("target_parameters", ["mlp.experts.gate_up_proj"]),
+                       ("bias", "lora_only"), ("target_parameters", ["mlp.router.weight"]),
                        ("alora_invocation_tokens", [5, 6]), ("init_lora_weights", "pissa_niter_4")]:
         config_file.write_text(json.dumps({**config, key: value}))
         with pytest.raises(InvalidInputError, match=f"adapter_config.json has {key}="):

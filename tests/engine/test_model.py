@@ -3,13 +3,12 @@
 Parity of every family against transformers and peft is in test_host / test_checkpoint /
 test_sampler (the ``family_host`` fixture)."""
 
-import random
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from trio_engine import ForwardJob, InvalidInputError, LoraConfig, ModelHost, ModelNotAvailableError
+from trio_engine import InvalidInputError, LoraConfig, ModelNotAvailableError
 from trio_engine.lora import adapter_tensors
 from trio_engine.model import (
     FAMILIES,
@@ -20,16 +19,6 @@ from trio_engine.model import (
     check_plain_head,
     family_of,
     select_targets,
-)
-
-from .helpers import (
-    QWEN3_MOE,
-    TEST_CATALOG,
-    merged_model,
-    plain_model,
-    random_example,
-    randomize_adapter,
-    reference_logprobs,
 )
 
 
@@ -94,7 +83,9 @@ MOE = {  # transformers 5 keeps each block's experts as 3-D tensors, not linear 
 
 
 @pytest.mark.parametrize("model_type", sorted(MOE))
-def test_mixture_of_experts_mlps_are_refused_and_the_other_kinds_kept(model_type):
+def test_experts_not_wrapped_for_lora_are_refused_and_the_other_kinds_kept(model_type):
+    """Experts that ``lora.install`` did not wrap in ``LoRAExperts`` (here: not installed at
+    all; in a host, those of another layout, test_experts.py) are refused by name."""
     model = _tiny_from_config(model_type, **MOE[model_type])
     spec = family_of(model.config)
     with pytest.raises(InvalidInputError, match=r"train_mlp: true, .* \['gate_up_proj', 'down_proj'\] \(e.g. "
@@ -172,34 +163,6 @@ def test_a_model_nested_in_the_decoder_is_not_checked():
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
     assert select_targets(model, family_of(model.config), LoraConfig()) == (
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
-
-
-def test_a_mixture_of_experts_model_trains_its_attention_exactly(new_id, tmp_path):
-    """Tiny Qwen3-MoE through the host: the default adapter is refused, adding nothing; an
-    attention + head adapter gives the logprobs of plain transformers with it merged, and
-    peft loading its sampler weights gives them too, as does our loader reading them back."""
-    peft = pytest.importorskip("peft")
-    host = ModelHost(QWEN3_MOE.name, dtype="float32", catalog=TEST_CATALOG)
-    aid = new_id()
-    with pytest.raises(InvalidInputError, match="train_mlp: true, .*experts"):
-        host.create_adapter(aid, LoraConfig(rank=4))
-    assert host.adapters == {}
-    host.create_adapter(aid, LoraConfig(rank=4, seed=3, train_mlp=False))
-    randomize_adapter(host, aid, seed=6, scale=0.1)
-    data = [random_example(host.vocab_size, n, random.Random(n)) for n in (5, 17)]
-    result = host.forward([ForwardJob(aid, data)])[0]
-    reference = merged_model(host, aid)
-    host.save_sampler_weights(aid, tmp_path)
-    host.load_sampler_weights(aid + "-back", str(tmp_path))
-    with_peft = peft.PeftModel.from_pretrained(plain_model(QWEN3_MOE.name), str(tmp_path))
-    back = host.forward([ForwardJob(aid + "-back", data)])[0]
-    for k, (example, logprobs) in enumerate(zip(data, result.logprobs, strict=True)):
-        for model in (reference, with_peft):
-            torch.testing.assert_close(torch.tensor(logprobs), reference_logprobs(
-                model, example.tokens, example.inputs["target_tokens"]), atol=1e-5, rtol=1e-5)
-        assert back.logprobs[k] == logprobs
-    assert not torch.allclose(torch.tensor(result.logprobs[1]), reference_logprobs(  # the adapter matters
-        plain_model(QWEN3_MOE.name), data[1].tokens, data[1].inputs["target_tokens"]), atol=1e-3)
 
 
 @pytest.mark.parametrize("multiplier", [8.0, 1.0])

@@ -1,0 +1,272 @@
+"""LoRA on a mixture-of-experts block's experts (``lora.LoRAExperts``): against a
+hand-written per-token formula, plain transformers with the adapter merged into each
+expert's weights, and peft's LoRA on ``target_parameters`` (both ways)."""
+
+import random
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from trio_engine import ForwardJob, InvalidInputError, LoraConfig, ModelHost
+from trio_engine.export import merge_into, read_adapter
+from trio_engine.lora import LORA_ALPHA, LoRAExperts, install, segments
+from trio_engine.model import GENERIC, family_of, select_targets
+from trio_engine.sampler import SampleRequest, SamplingConfig
+
+from .helpers import (
+    QWEN3_MOE,
+    TEST_CATALOG,
+    plain_model,
+    random_example,
+    randomize_adapter,
+    reference_logprobs,
+)
+
+TOL = 1e-5  # fp32, tiny shapes
+
+
+def _tiny(model_type: str, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**sizes, **overrides}))
+
+
+MOE = {  # families whose experts are 3-D gate_up_proj (E, 2I, H) / down_proj (E, H, I)
+    "qwen2_moe": dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MOE))
+def test_experts_of_each_layout_are_wrapped_and_adapted_with_the_mlp(model_type):
+    model = _tiny(model_type, **MOE[model_type])
+    install(model, GENERIC.all_targets())
+    assert all(isinstance(layer.mlp.experts, LoRAExperts) for layer in model.model.layers)
+    targets = select_targets(model, family_of(model.config), LoraConfig())
+    assert {"gate_up_proj", "down_proj"} <= set(targets)
+
+
+def test_experts_of_another_layout_stay_refused():
+    """GPT-OSS's experts have biases and interleaved gate/up columns: not wrapped, and an
+    adapter of the MLP is refused, naming them, rather than made without them."""
+    model = _tiny("gpt_oss", num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+    install(model, GENERIC.all_targets())
+    assert not any(isinstance(m, LoRAExperts) for m in model.modules())
+    with pytest.raises(InvalidInputError, match=r"train_mlp: true, .*gate_up_proj.* in a layout TRIO's LoRA does not"):
+        select_targets(model, GENERIC, LoraConfig())
+
+
+def _experts_with_adapters():
+    """Qwen3-MoE's first experts block (4 experts, 2 a token) with adapters "a" (rank 4) and
+    "b" (rank 2), their B non-zero."""
+    model = _tiny("qwen3_moe", **MOE["qwen3_moe"])
+    routing = install(model, GENERIC.all_targets())
+    experts = model.model.layers[0].mlp.experts
+    for aid, rank in (("a", 4), ("b", 2)):
+        experts.add(aid, rank, LORA_ALPHA / rank, torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            for b in experts.lora_B[aid].values():
+                b.normal_(std=0.1)
+    return experts, routing
+
+
+def _by_hand(experts, x, index, weights, token_adapters, factors):
+    """Each token: the sum over its experts e of weight · down_e(silu(gate_e) · up_e), each
+    projection W_e x plus its adapter's s · B_e A_e x (``factors``: adapter -> part -> (A, B))."""
+    rows = []
+    for t in range(x.shape[0]):
+        total = torch.zeros(x.shape[1])
+        for k in range(index.shape[1]):
+            e, h = int(index[t, k]), x[t]
+            outs = []
+            for part, inp in (("gate_up_proj", h), ("down_proj", None)):
+                inp = h if inp is not None else outs[-1]
+                y = getattr(experts.base, part)[e] @ inp
+                aid = token_adapters[t]
+                if aid is not None:
+                    a, b = factors[aid][part]
+                    y = y + experts.scales[aid] * (b[e] @ (a[e] @ inp))
+                if part == "gate_up_proj":
+                    gate, up = y.chunk(2)
+                    y = F.silu(gate) * up
+                outs.append(y)
+            total = total + weights[t, k] * outs[-1]
+        rows.append(total)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("row_adapters", [["a", "a", "a"], ["a", None, "b"], [None, "b", "b"], ["b", "a", "a"]])
+def test_each_token_goes_through_its_experts_and_its_adapter(row_adapters):
+    """Rows of several adapters and of the base model in one pass: each token's output and
+    each adapter's gradients as the per-token formula gives them."""
+    experts, routing = _experts_with_adapters()
+    torch.manual_seed(1)
+    per_row = 5
+    x = torch.randn(len(row_adapters) * per_row, 32)
+    index = torch.stack([torch.randperm(4)[:2] for _ in range(x.shape[0])])
+    weights = torch.rand(x.shape[0], 2)
+    with routing.use(segments(row_adapters), rows=len(row_adapters)):
+        (experts(x, index, weights) ** 2).sum().backward()
+
+    factors = {aid: {part: (experts.lora_A[aid][part].detach().clone().requires_grad_(),
+                            experts.lora_B[aid][part].detach().clone().requires_grad_())
+                     for part in LoRAExperts.PARTS} for aid in ("a", "b")}
+    token_adapters = [aid for aid in row_adapters for _ in range(per_row)]
+    want = _by_hand(experts, x, index, weights, token_adapters, factors)
+    (want**2).sum().backward()
+    with torch.no_grad(), routing.use(segments(row_adapters), rows=len(row_adapters)):
+        torch.testing.assert_close(experts(x, index, weights), want, atol=TOL, rtol=TOL)
+    for aid in ("a", "b"):
+        for part in LoRAExperts.PARTS:
+            for ours, theirs in zip((experts.lora_A[aid][part], experts.lora_B[aid][part]), factors[aid][part]):
+                if theirs.grad is None:  # an adapter with no rows gets no gradient
+                    assert ours.grad is None
+                else:
+                    torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_tokens_counted_over_a_packed_row_reach_their_adapters():
+    experts, routing = _experts_with_adapters()
+    torch.manual_seed(2)
+    x = torch.randn(9, 32)
+    index = torch.stack([torch.randperm(4)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2)
+    token_adapters = ["b"] * 2 + [None] * 3 + ["a"] * 4
+    factors = {aid: {p: (experts.lora_A[aid][p].detach(), experts.lora_B[aid][p].detach()) for p in LoRAExperts.PARTS}
+               for aid in ("a", "b")}
+    with torch.no_grad(), routing.use(segments(token_adapters), over_tokens=True):
+        torch.testing.assert_close(experts(x, index, weights),
+                                   _by_hand(experts, x, index, weights, token_adapters, factors), atol=TOL, rtol=TOL)
+
+
+def test_row_slices_without_the_batch_rows_are_an_error():
+    experts, routing = _experts_with_adapters()
+    with routing.use(segments(["a", "b"])), pytest.raises(RuntimeError, match="rows"):
+        experts(torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2))
+
+
+def test_a_pass_without_adapters_runs_the_modules_own_forward(monkeypatch):
+    experts, routing = _experts_with_adapters()
+    calls = []
+    own = experts.base.forward
+    monkeypatch.setattr(experts.base, "forward", lambda *args: calls.append(1) or own(*args))
+    with routing.use(segments([None, None]), rows=2):
+        experts(torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2))
+    assert calls == [1]
+
+
+@pytest.fixture(scope="module")
+def moe_host():
+    return ModelHost(QWEN3_MOE.name, dtype="float32", catalog=TEST_CATALOG)
+
+
+def _merged(host, adapter_id):
+    """The plain model with the adapter merged into every adapted weight by hand: linear
+    layers W + s·B@A, each expert's tensors W[e] + s·B[e]@A[e]."""
+    model = plain_model(host.model_name)
+    config, _ = host.adapter_config(adapter_id)
+    tensors = {k: v.detach().float() for k, v in host.adapter_params(adapter_id).items()}
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if key.endswith(".lora_A"):
+                path = key[: -len(".lora_A")]
+                b = tensors[path + ".lora_B"]
+                if a.dim() == 3:
+                    module, _, part = path.rpartition(".")
+                    weight = getattr(model.get_submodule(module), part)
+                    for e in range(a.shape[0]):
+                        weight[e] += config.scale * (b[e] @ a[e])
+                else:
+                    model.get_submodule(path).weight += config.scale * (b @ a)
+    return model
+
+
+@pytest.mark.parametrize("kinds", [{}, {"train_attn": False, "train_unembed": False}])
+def test_an_experts_adapter_gives_the_merged_models_and_peft_logprobs(moe_host, new_id, tmp_path, kinds):
+    """Training forward against plain transformers with the adapter merged, and against
+    peft loading our sampler weights (``target_parameters``); loading them back gives the
+    same numbers, and ``trio export``'s merge makes the same model."""
+    peft = pytest.importorskip("peft")
+    aid = new_id()
+    moe_host.create_adapter(aid, LoraConfig(rank=4, seed=3, **kinds))
+    randomize_adapter(moe_host, aid, seed=6, scale=0.1)
+    assert any(t.dim() == 3 for t in moe_host.adapter_params(aid).values())
+    data = [random_example(moe_host.vocab_size, n, random.Random(n)) for n in (5, 17)]
+    result = moe_host.forward([ForwardJob(aid, data)])[0]
+    moe_host.save_sampler_weights(aid, tmp_path)
+    moe_host.load_sampler_weights(aid + "-back", str(tmp_path))
+    back = moe_host.forward([ForwardJob(aid + "-back", data)])[0]
+    with_peft = peft.PeftModel.from_pretrained(plain_model(QWEN3_MOE.name), str(tmp_path))
+    exported = plain_model(QWEN3_MOE.name)
+    merge_into(exported, read_adapter(tmp_path))
+    for k, (example, logprobs) in enumerate(zip(data, result.logprobs, strict=True)):
+        for model in (_merged(moe_host, aid), with_peft, exported):
+            torch.testing.assert_close(torch.tensor(logprobs), reference_logprobs(
+                model, example.tokens, example.inputs["target_tokens"]), atol=1e-5, rtol=1e-5)
+        assert back.logprobs[k] == logprobs
+    assert not torch.allclose(torch.tensor(result.logprobs[1]), reference_logprobs(  # the adapter matters
+        plain_model(QWEN3_MOE.name), data[1].tokens, data[1].inputs["target_tokens"]), atol=1e-3)
+    for a in (aid, aid + "-back"):
+        moe_host.delete_adapter(a)
+
+
+def test_a_peft_made_experts_adapter_loads(moe_host, new_id, tmp_path):
+    """peft nests its wrappers of one module's tensors in their registration order
+    (gate_up_proj inside down_proj's ``base_layer``) whatever order the config lists them."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+                             target_parameters=["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
+    torch.manual_seed(1)
+    theirs = peft.get_peft_model(plain_model(QWEN3_MOE.name), config)
+    theirs.save_pretrained(tmp_path)
+    aid = new_id()
+    moe_host.load_sampler_weights(aid, str(tmp_path))
+    data = [random_example(moe_host.vocab_size, 9, random.Random(4))]
+    ours = moe_host.forward([ForwardJob(aid, data)])[0].logprobs[0]
+    torch.testing.assert_close(torch.tensor(ours), reference_logprobs(
+        theirs, data[0].tokens, data[0].inputs["target_tokens"]), atol=1e-5, rtol=1e-5)
+    moe_host.delete_adapter(aid)
+
+
+def test_experts_adapters_in_one_pass_and_in_the_sampler_keep_to_their_rows(moe_host, new_id):
+    """Two adapters and the base model co-batched in one training pass (packed: lengths
+    differ) give each one's solo numbers and gradients; sampled together, each sequence's
+    logprobs are the trainer's."""
+    a, b = new_id(), new_id()
+    for k, aid in enumerate((a, b)):
+        moe_host.create_adapter(aid, LoraConfig(rank=4, seed=k))
+        randomize_adapter(moe_host, aid, seed=20 + k, scale=0.1)
+    rng = random.Random(0)
+    data = {a: [random_example(moe_host.vocab_size, 7, rng)],
+            b: [random_example(moe_host.vocab_size, 4, rng), random_example(moe_host.vocab_size, 6, rng)],
+            None: [random_example(moe_host.vocab_size, 5, rng)]}
+    mixed = moe_host.forward_backward([ForwardJob(k, v) for k, v in data.items()])
+    grads = {aid: {k: p.grad.clone() for k, p in moe_host.adapter_params(aid).items()} for aid in (a, b)}
+    for j, (aid, examples) in enumerate(data.items()):
+        if aid is not None:
+            moe_host.zero_grad(aid)
+        solo = moe_host.forward_backward([ForwardJob(aid, examples)])[0]
+        for got, want in zip(mixed[j].logprobs, solo.logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=TOL, rtol=TOL)
+        if aid is not None:
+            for k, p in moe_host.adapter_params(aid).items():
+                torch.testing.assert_close(grads[aid][k], p.grad, atol=TOL, rtol=1e-4)
+            assert any(bool(g.abs().sum() > 0) for k, g in grads[aid].items() if ".experts." in k)
+            moe_host.zero_grad(aid)
+
+    prompt = [3, 14, 15, 9, 2]
+    config = SamplingConfig(max_tokens=6, seed=1, ignore_eos=True)
+    requests = [SampleRequest(a, prompt, 2, config), SampleRequest(None, prompt[:3], 1, config),
+                SampleRequest(b, prompt[1:], 1, config)]
+    for request, result in zip(requests, moe_host.sample(requests), strict=True):
+        for sequence in result.sequences:
+            trainer = moe_host.compute_logprobs(request.adapter_id, request.prompt + sequence.tokens)
+            torch.testing.assert_close(torch.tensor(sequence.logprobs),
+                                       torch.tensor(trainer[len(request.prompt):]), atol=1e-4, rtol=0)
+    for aid in (a, b):
+        moe_host.delete_adapter(aid)
