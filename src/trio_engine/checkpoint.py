@@ -259,8 +259,12 @@ def _from_peft(name: str, tensor: torch.Tensor, cfg: dict[str, Any]) -> tuple[st
     while module.endswith(".base_layer"):
         module, depth = module[: -len(".base_layer")], depth + 1
     targets = cfg.get("target_parameters") or []
-    parts = [part for part in LoRAExperts.PARTS
-             if any(f"{module}.{part}" == t or f"{module}.{part}".endswith("." + t) for t in targets)]
+    # a target names a parameter (peft matches it as a suffix of the parameter's path), so a
+    # linear layer's key, whose module is named as a linear (q_proj, a shared expert's
+    # down_proj), is never an experts' part, whatever a bare name would match
+    linear = module.rpartition(".")[2] in (*ALL_ATTN, *ALL_MLP, *UNEMBED)
+    parts = [] if linear else [part for part in LoRAExperts.PARTS
+                               if any(f"{module}.{part}" == t or f"{module}.{part}".endswith("." + t) for t in targets)]
     if not parts:
         if depth:
             raise InvalidInputError(f"path: adapter_model.safetensors holds {name!r}, under a base_layer of a module "

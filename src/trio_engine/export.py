@@ -54,7 +54,7 @@ from .catalog import (
 )
 from .checkpoint import load_peft_adapter, load_training_state, save_peft_adapter
 from .device import DTYPES
-from .lora import LoraConfig
+from .lora import LoraConfig, LoRAExperts
 
 Progress = Callable[[str], None]
 
@@ -199,9 +199,13 @@ def _merge_experts(model: nn.Module, name: str, adapter: Adapter) -> None:
     (``"<experts>.<part>"``, (E, out, in): ``lora.LoRAExperts``)."""
     path, _, part = name.rpartition(".")
     try:
-        weight = getattr(model.get_submodule(path), part)
+        experts = model.get_submodule(path)
     except AttributeError:
         raise ExportError(f"adapter tensor {name!r} is not in base model {adapter.base_model!r}") from None
+    if not LoRAExperts.fits(experts):  # transposed (GPT-OSS): B @ A would land transposed
+        raise ExportError(f"adapter tensor {name!r}: {type(experts).__name__} keeps its experts in a layout "
+                          "TRIO does not merge (it merges gate_up_proj (E, 2I, H) and down_proj (E, H, I))")
+    weight = getattr(experts, part)
     a = adapter.weights[f"{name}.lora_A"].float()  # (E, r, in)
     b = adapter.weights[f"{name}.lora_B"].float()  # (E, out, r)
     if not isinstance(weight, torch.Tensor) or weight.shape != (a.shape[0], b.shape[1], a.shape[2]) \

@@ -14,6 +14,9 @@ other (the host does), so a batch of k adapters is k slices of the activations: 
 gradients go back through one split, not through a scatter into full-size zeros per
 adapter, which made a 4-adapter pass 30% slower than a 1-adapter pass of the same size.
 
+A mixture-of-experts block's experts (3-D tensors, not linear layers) are wrapped once
+in a ``LoRAExperts``, which holds a pair per expert and routes tokens the same way.
+
 The LoRA parameters are kept in fp32 (they are the optimizer's master weights) and cast
 to the activations' dtype in forward. They live on the base layer's device; their
 initial values are drawn on the CPU, so a seed gives the same adapter on every device.
@@ -106,12 +109,18 @@ class Routing:
             elif self.over_tokens:
                 runs.append((adapter_id, run.start, run.stop))
             else:
-                if not self.rows:
-                    raise RuntimeError("routing: row slices reach a layer that sees tokens flattened, "
-                                       "but Routing.use was not told the batch's rows")
+                if not self.rows or tokens % self.rows:
+                    raise RuntimeError(f"routing: row slices reach a layer that sees {tokens} tokens flattened, "
+                                       f"not a multiple of the batch's rows ({self.rows})")
                 per_row = tokens // self.rows
                 runs.append((adapter_id, run.start * per_row, run.stop * per_row))
         return runs
+
+    def flattened(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows are the batch's tokens flattened rather than its rows: a
+        packed pass, or a 2-D input with more rows than the batch (a mixture-of-experts
+        block flattens (B, T, H) before its shared expert's linears)."""
+        return self.over_tokens or (x.dim() == 2 and self.rows is not None and x.shape[0] != self.rows)
 
 
 class LoRALinear(nn.Module):
@@ -209,8 +218,10 @@ def with_adapters(out: torch.Tensor, x: torch.Tensor, routing: Routing, adapters
         return out.contiguous()  # base_product's may be a transposed view
     if runs[0][1] is None:  # one adapter, every row
         return adapted(out, x, runs[0][0])
-    if routing.over_tokens:
+    if routing.flattened(x):
         out_rows, x_rows = out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])
+        runs = [(adapter_id, slice(first, end)) for adapter_id, first, end in routing.token_runs(x_rows.shape[0])
+                if adapter_id in adapters]
     else:
         out_rows, x_rows = out, x
     cuts, owners = _cut_at_runs(cast(list[tuple[str, slice]], runs), x_rows.shape[0])  # only slices past one None

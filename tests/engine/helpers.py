@@ -43,7 +43,11 @@ LONGROPE = _tiny("test/tiny-phi3-longrope", "phi3", tokenizer="smollm2", origina
 # tests in test_experts.py).
 QWEN3_MOE = _tiny("test/tiny-qwen3-moe", "qwen3_moe", tokenizer="qwen", moe_intermediate_size=16, num_experts=4,
                   num_experts_per_tok=2)
-TEST_CATALOG = Catalog({**BUILTIN_SOURCES, **{s.name: s for s in (*FAMILY_SOURCES.values(), LONGROPE, QWEN3_MOE)}})
+# and one with a shared expert (plain linears fed the block's tokens flattened) beside them
+QWEN2_MOE = _tiny("test/tiny-qwen2-moe", "qwen2_moe", tokenizer="qwen", moe_intermediate_size=16, num_experts=4,
+                  num_experts_per_tok=2, shared_expert_intermediate_size=32)
+TEST_CATALOG = Catalog({**BUILTIN_SOURCES, **{s.name: s for s in (*FAMILY_SOURCES.values(), LONGROPE, QWEN3_MOE,
+                                                                  QWEN2_MOE)}})
 
 
 def plain_model(name: str):

@@ -15,6 +15,7 @@ from trio_engine.model import GENERIC, family_of, select_targets
 from trio_engine.sampler import SampleRequest, SamplingConfig
 
 from .helpers import (
+    QWEN2_MOE,
     QWEN3_MOE,
     TEST_CATALOG,
     plain_model,
@@ -165,6 +166,13 @@ def moe_host():
     return ModelHost(QWEN3_MOE.name, dtype="float32", catalog=TEST_CATALOG)
 
 
+@pytest.fixture(scope="module")
+def shared_expert_host():
+    """Qwen2-MoE: a shared expert beside the experts, and no packed passes (a mixed batch
+    runs padded, its shared expert's linears fed (B·T, H))."""
+    return ModelHost(QWEN2_MOE.name, dtype="float32", catalog=TEST_CATALOG)
+
+
 def _merged(host, adapter_id):
     """The plain model with the adapter merged into every adapted weight by hand: linear
     layers W + s·B@A, each expert's tensors W[e] + s·B[e]@A[e]."""
@@ -215,12 +223,15 @@ def test_an_experts_adapter_gives_the_merged_models_and_peft_logprobs(moe_host, 
         moe_host.delete_adapter(a)
 
 
-def test_a_peft_made_experts_adapter_loads(moe_host, new_id, tmp_path):
+@pytest.mark.parametrize("targets", [["mlp.experts.down_proj", "mlp.experts.gate_up_proj"],
+                                     ["gate_up_proj", "down_proj"]])
+def test_a_peft_made_experts_adapter_loads(moe_host, new_id, tmp_path, targets):
     """peft nests its wrappers of one module's tensors in their registration order
-    (gate_up_proj inside down_proj's ``base_layer``) whatever order the config lists them."""
+    (gate_up_proj inside down_proj's ``base_layer``) whatever order the config lists them,
+    and matches a bare name against parameters only (not q_proj's keys)."""
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
-                             target_parameters=["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
+                             target_parameters=targets)
     torch.manual_seed(1)
     theirs = peft.get_peft_model(plain_model(QWEN3_MOE.name), config)
     theirs.save_pretrained(tmp_path)
@@ -233,10 +244,12 @@ def test_a_peft_made_experts_adapter_loads(moe_host, new_id, tmp_path):
     moe_host.delete_adapter(aid)
 
 
-def test_experts_adapters_in_one_pass_and_in_the_sampler_keep_to_their_rows(moe_host, new_id):
-    """Two adapters and the base model co-batched in one training pass (packed: lengths
-    differ) give each one's solo numbers and gradients; sampled together, each sequence's
-    logprobs are the trainer's."""
+@pytest.mark.parametrize("host_fixture", ["moe_host", "shared_expert_host"])
+def test_experts_adapters_in_one_pass_and_in_the_sampler_keep_to_their_rows(host_fixture, request, new_id):
+    """Two adapters and the base model co-batched in one training pass (Qwen3-MoE packed,
+    Qwen2-MoE padded) give each one's solo numbers and gradients; sampled together, each
+    sequence's logprobs are the trainer's."""
+    moe_host = request.getfixturevalue(host_fixture)
     a, b = new_id(), new_id()
     for k, aid in enumerate((a, b)):
         moe_host.create_adapter(aid, LoraConfig(rank=4, seed=k))
@@ -270,3 +283,22 @@ def test_experts_adapters_in_one_pass_and_in_the_sampler_keep_to_their_rows(moe_
                                        torch.tensor(trainer[len(request.prompt):]), atol=1e-4, rtol=0)
     for aid in (a, b):
         moe_host.delete_adapter(aid)
+
+
+def test_experts_of_another_layout_are_not_merged_on_export(tmp_path):
+    """GPT-OSS keeps its experts transposed (down_proj (E, I, H)): with I = H a peft
+    adapter's B @ A fits the shape but would land transposed, so export refuses it."""
+    peft = pytest.importorskip("peft")
+    from trio_engine.checkpoint import load_peft_adapter
+    from trio_engine.export import Adapter, ExportError
+
+    model = _tiny("gpt_oss", num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2,
+                  intermediate_size=32)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], target_parameters=["mlp.experts.down_proj"],
+                             init_lora_weights=False)
+    peft.get_peft_model(model, config).save_pretrained(tmp_path)
+    adapter = Adapter("tiny-gpt-oss", *load_peft_adapter(tmp_path))
+    assert {k.rsplit(".", 2)[-2] for k in adapter.weights} == {"down_proj"}
+    with pytest.raises(ExportError, match="GptOssExperts keeps its experts in a layout TRIO does not merge"):
+        merge_into(_tiny("gpt_oss", num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2,
+                         intermediate_size=32), adapter)
