@@ -118,7 +118,7 @@ class Routing:
 
     def flattened(self, x: torch.Tensor) -> bool:
         """Whether ``x``'s rows are the batch's tokens flattened rather than its rows: a
-        packed pass, or a 2-D input with more rows than the batch (a mixture-of-experts
+        packed pass, or a 2-D input of other rows than the batch's (a mixture-of-experts
         block flattens (B, T, H) before its shared expert's linears)."""
         return self.over_tokens or (x.dim() == 2 and self.rows is not None and x.shape[0] != self.rows)
 

@@ -23,8 +23,9 @@ def _norms(family: str) -> list[nn.Module]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", RMSNORM_FAMILIES)
 def test_the_fused_norm_gives_the_modules_output_and_gradient(family, dtype):
-    """Same output bit for bit; an input gradient as close to fp64 autograd through the
-    module as the module's own autograd is; the input left untouched."""
+    """Same output bit for bit, with and without autograd; an input gradient as close to
+    fp64 autograd through the module as the module's own autograd is; the input left
+    untouched."""
     norms = _norms(family)
     assert norms
     gen = torch.Generator().manual_seed(1)
@@ -46,6 +47,8 @@ def test_the_fused_norm_gives_the_modules_output_and_gradient(family, dtype):
         expected.backward(grad_out)
         assert torch.equal(out, expected)
         assert torch.equal(ours.detach(), x)
+        with torch.no_grad():  # inference takes the ops without autograd.Function
+            assert torch.equal(twin(x), expected.detach())
         our_error = (ours.grad.double() - x64.grad).abs().max().item()
         their_error = (theirs.grad.double() - x64.grad).abs().max().item()
         assert our_error <= 1.5 * their_error + 1e-6, (type(module).__name__, our_error, their_error)
