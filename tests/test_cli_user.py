@@ -9,7 +9,7 @@ Export is checked against TRIO itself: the merged folder, loaded by plain transf
 greedy-decodes what TRIO's sampler decodes at temperature 0 and gives TRIO's logprobs;
 the PEFT folder, loaded by peft, gives the merged model's logits. On the tiny Llama
 (untied embeddings) and a tiny Llama with tied embeddings (as SmolLM2's), each with the
-unembedding trained and not.
+unembedding trained and not, and a tiny Qwen3-MoE, its experts trained with the rest.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ from safetensors.torch import load_file
 import pytrio as trio
 from trio_cli import main
 
-from .engine.helpers import plain_model, tiny_tied_folder
+from .engine.helpers import plain_model, tiny_moe_folder, tiny_tied_folder
 from .sdk.conftest import ServerThread
 
 TINY = "trio/tiny-llama"
 TIED = "test/tiny-tied"
-CASES = [(TINY, True), (TINY, False), (TIED, True), (TIED, False)]  # (base model, train_unembed)
-IDS = ["tiny-unembed", "tiny-no-unembed", "tied-unembed", "tied-no-unembed"]
+MOE = "test/tiny-moe"  # a Qwen3-MoE: its experts train too (lora.LoRAExperts)
+CASES = [(TINY, True), (TINY, False), (TIED, True), (TIED, False), (MOE, True)]  # (base model, train_unembed)
+IDS = ["tiny-unembed", "tiny-no-unembed", "tied-unembed", "tied-no-unembed", "moe-unembed"]
 PROMPTS = ["The capital of France is", "Merging adapters into weights", "Once upon a time"]
 COMPLETIONS = [" a tiny model that learned", " keeps the same greedy answer", " there was a checkpoint"]
 
@@ -114,8 +115,9 @@ def world(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("cli-user")
     tied = tiny_tied_folder(root / "tied", generation={"max_length": 321, "eos_token_id": 2})
+    moe = tiny_moe_folder(root / "moe")
     patch = pytest.MonkeyPatch()
-    patch.setenv("TRIO_MODELS", f"{TIED}={tied}")  # the server's catalog, and export's, see it
+    patch.setenv("TRIO_MODELS", f"{TIED}={tied},{MOE}={moe}")  # the server's catalog, and export's, see them
     for name in ("PYTRIO_BASE_URL", "PYTRIO_API_KEY"):
         patch.delenv(name, raising=False)
     core = ServiceCore(root / "server", dtype="float32")
@@ -125,7 +127,7 @@ def world(tmp_path_factory):
     runs = {case: train(service, *case, name=f"ckpt-{i}") for i, case in enumerate(CASES)}
 
     yield SimpleNamespace(
-        tied_folder=tied, core=core, server=server, service=service, runs=runs, alice_key=alice,
+        tied_folder=tied, moe_folder=moe, core=core, server=server, service=service, runs=runs, alice_key=alice,
         alice=["--base-url", server.url, "--api-key", alice], bob=["--base-url", server.url, "--api-key", bob])
     server.stop()
     core.close()
@@ -140,7 +142,7 @@ def test_runs_list(world, capsys):
     for run_id, *_ in world.runs.values():
         row = next(line for line in lines if line.startswith(run_id))
         fields = row.split()
-        assert fields[1] in (TINY, TIED) and fields[2:4] == ["8", "6"], row  # rank 8, 6 steps
+        assert fields[1] in (TINY, TIED, MOE) and fields[2:4] == ["8", "6"], row  # rank 8, 6 steps
         assert len(fields[4]) == 10 and len(fields[5]) == 8  # YYYY-MM-DD HH:MM:SS
     # bob sees none of alice's runs
     code, out, _ = trio_cli(capsys, "runs", "list", *world.bob)
@@ -276,7 +278,9 @@ def exports(world, tmp_path_factory):
 def base_model(world, name):
     from transformers import AutoModelForCausalLM
 
-    return plain_model(name) if name == TINY else AutoModelForCausalLM.from_pretrained(world.tied_folder)
+    if name == TINY:
+        return plain_model(name)
+    return AutoModelForCausalLM.from_pretrained(world.moe_folder if name == MOE else world.tied_folder)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -288,7 +292,8 @@ def test_merged_export_decodes_as_trio(world, exports, case):
     merged_dir, peft_dir = exports[case]
     _, sampler_path, _, data = world.runs[case]
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
-    merged64 = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float64)
+    eager = {"experts_implementation": "eager"} if case[0] == MOE else {}  # grouped_mm has no fp64
+    merged64 = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float64, **eager)
     sampler = world.service.create_sampling_client(model_path=sampler_path)
     base_sampler = world.service.create_sampling_client(base_model=case[0])
     eos = merged.generation_config.eos_token_id
@@ -326,6 +331,14 @@ def test_merged_export_decodes_as_trio(world, exports, case):
         w0 = base[key] if key in base else base["model.embed_tokens.weight"]
         torch.testing.assert_close(weights.get(key, weights.get("model.embed_tokens.weight")),
                                    w0 + 32.0 / 8 * (b @ a), atol=1e-6, rtol=0)
+    if case[0] == MOE:  # each expert's weights: W0[e] + (α/r)·B_e·A_e, from peft's layout by its formula
+        module, experts = "model.layers.1.mlp.experts", 4
+        key = module + ".down_proj"  # peft's outer wrapper; gate_up_proj's sit under base_layer
+        a, b = adapter[f"{prefix}{module}.lora_A.weight"], adapter[f"{prefix}{module}.lora_B.weight"]
+        delta = torch.einsum("ore,eri->eoi", b.reshape(b.shape[0], -1, experts), a.reshape(experts, -1, a.shape[1]))
+        assert b.abs().max() > 1e-2
+        # (the file keeps transformers' per-expert checkpoint layout: read the loaded model's tensor)
+        torch.testing.assert_close(merged.state_dict()[key], base[key] + 32.0 / 8 * delta, atol=1e-6, rtol=0)
     assert torch.equal(merged.model.embed_tokens.weight, base["model.embed_tokens.weight"])
     tied = case[0] == TIED and not case[1]
     assert (merged.lm_head.weight is merged.model.embed_tokens.weight) == tied

@@ -149,26 +149,37 @@ def tiny_tied_folder(folder, dtype=torch.float32, seed: int = 1, generation: dic
     """A tiny random Llama whose ``lm_head`` is tied to ``embed_tokens`` (as SmolLM2's is),
     saved as a Hugging Face folder with the bundled model's tokenizer, for ``Catalog.add_folder``.
     ``generation``: fields of a generation_config.json to ship with it."""
+    model = _saved_tiny(folder, "llama", dtype, seed, generation, intermediate_size=128, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return folder
+
+
+def tiny_moe_folder(folder, seed: int = 1):
+    """A tiny random Qwen3-MoE (4 experts, 2 a token) saved as ``tiny_tied_folder`` saves."""
+    _saved_tiny(folder, "qwen3_moe", torch.float32, seed, None, moe_intermediate_size=32, num_experts=4,
+                num_experts_per_tok=2, tie_word_embeddings=False)
+    return folder
+
+
+def _saved_tiny(folder, model_type: str, dtype, seed: int, generation: dict | None, **sizes):
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from trio_engine.catalog import load_tokenizer
 
     tokenizer = load_tokenizer(Catalog().resolve("trio/tiny-llama"))
     config = AutoConfig.for_model(
-        "llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+        model_type, vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **sizes,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / "generation_config.json").unlink(missing_ok=True)
     if generation is not None:
         GenerationConfig(**generation).save_pretrained(folder)
-    return folder
+    return model
 
 
 def random_adapter_folder(folder, model, base_model: str, config, seed: int = 0, scale: float = 0.05):
