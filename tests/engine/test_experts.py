@@ -103,23 +103,25 @@ def _by_hand(experts, x, index, weights, token_adapters, factors):
 
 @pytest.mark.parametrize("row_adapters", [["a", "a", "a"], ["a", None, "b"], [None, "b", "b"], ["b", "a", "a"]])
 def test_each_token_goes_through_its_experts_and_its_adapter(row_adapters):
-    """Rows of several adapters and of the base model in one pass: each token's output and
-    each adapter's gradients as the per-token formula gives them."""
+    """Rows of several adapters and of the base model in one pass: each token's output,
+    its input's gradient and each adapter's gradients as the per-token formula gives them."""
     experts, routing = _experts_with_adapters()
     torch.manual_seed(1)
     per_row = 5
     x = torch.randn(len(row_adapters) * per_row, 32)
     index = torch.stack([torch.randperm(4)[:2] for _ in range(x.shape[0])])
     weights = torch.rand(x.shape[0], 2)
+    ours_x, theirs_x = x.clone().requires_grad_(), x.clone().requires_grad_()
     with routing.use(segments(row_adapters), rows=len(row_adapters)):
-        (experts(x, index, weights) ** 2).sum().backward()
+        (experts(ours_x, index, weights) ** 2).sum().backward()
 
     factors = {aid: {part: (experts.lora_A[aid][part].detach().clone().requires_grad_(),
                             experts.lora_B[aid][part].detach().clone().requires_grad_())
                      for part in LoRAExperts.PARTS} for aid in ("a", "b")}
     token_adapters = [aid for aid in row_adapters for _ in range(per_row)]
-    want = _by_hand(experts, x, index, weights, token_adapters, factors)
+    want = _by_hand(experts, theirs_x, index, weights, token_adapters, factors)
     (want**2).sum().backward()
+    torch.testing.assert_close(ours_x.grad, theirs_x.grad, atol=1e-4, rtol=1e-4)  # what earlier layers get
     with torch.no_grad(), routing.use(segments(row_adapters), rows=len(row_adapters)):
         torch.testing.assert_close(experts(x, index, weights), want, atol=TOL, rtol=TOL)
     for aid in ("a", "b"):
