@@ -62,6 +62,23 @@ def test_experts_of_another_layout_stay_refused():
         select_targets(model, GENERIC, LoraConfig())
 
 
+def test_experts_whose_forward_differs_or_fails_on_the_probe_are_left_alone(monkeypatch):
+    """Experts of the right shapes and flags whose own forward computes otherwise, or
+    raises on the probe's arguments, are not wrapped (and their MLP then refused)."""
+    model = _tiny("qwen3_moe", **MOE["qwen3_moe"])
+    experts_class = type(model.model.layers[0].mlp.experts)
+    own = experts_class.forward
+    monkeypatch.setattr(experts_class, "forward", lambda self, x, i, w: own(self, x, i, w) * 1.01)
+    install(model, GENERIC.all_targets())
+    monkeypatch.setattr(experts_class, "forward", lambda self, x, i, w, extra: own(self, x, i, w))
+    other = _tiny("qwen3_moe", **MOE["qwen3_moe"])
+    install(other, GENERIC.all_targets())
+    for m in (model, other):
+        assert not any(isinstance(module, LoRAExperts) for module in m.modules())
+        with pytest.raises(InvalidInputError, match="train_mlp: true, .* in a layout TRIO's LoRA does not adapt"):
+            select_targets(m, GENERIC, LoraConfig())
+
+
 def _experts_with_adapters():
     """Qwen3-MoE's first experts block (4 experts, 2 a token) with adapters "a" (rank 4) and
     "b" (rank 2), their B non-zero."""
