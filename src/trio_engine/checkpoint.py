@@ -270,10 +270,11 @@ def _from_peft(name: str, tensor: torch.Tensor, cfg: dict[str, Any]) -> tuple[st
             raise InvalidInputError(f"path: adapter_model.safetensors holds {name!r}, under a base_layer of a module "
                                     "no target_parameters entry names", field="path")
         return name, tensor
-    if depth >= len(parts) or tensor.dim() != 2 or tensor.shape[matrix == "lora_B"] % int(cfg["r"]):
+    rank = int(cfg["r"])
+    if depth >= len(parts) or tensor.dim() != 2 or tensor.shape[matrix == "lora_B"] % rank:
         raise InvalidInputError(f"path: adapter_model.safetensors holds {name!r}, which fits none of the "
                                 f"{parts} that target_parameters names on {module!r}", field="path")
-    part, rank = parts[len(parts) - 1 - depth], int(cfg["r"])
+    part = parts[len(parts) - 1 - depth]
     if matrix == "lora_A":  # (E·r, in) -> (E, r, in)
         ours = tensor.reshape(-1, rank, tensor.shape[1])
     else:  # (out, r·E) -> (E, out, r)

@@ -444,7 +444,7 @@ class ModelHost:
         input_ids = torch.tensor(
             [ex.tokens + [pad] * (width - len(ex.tokens)) for ex in examples], device=dev
         )  # (B, T)
-        with self.routing.use(lora.segments(row_adapters), rows=len(row_adapters)):
+        with self.routing.route(row_adapters):
             hidden = self.trunk(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, T, H)
         real = torch.arange(width, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
         return hidden[real]
@@ -455,7 +455,7 @@ class ModelHost:
         dev = self.device
         input_ids = torch.tensor([[t for ex in examples for t in ex.tokens]], device=dev)  # (1, N)
         positions = torch.cat([torch.arange(n, device=dev) for n in lengths])[None]  # (1, N)
-        with self.routing.use(lora.segments(token_adapters), over_tokens=True), attention.packed(lengths):
+        with self.routing.route(token_adapters, over_tokens=True), attention.packed(lengths):
             hidden = self.trunk(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state
         return hidden[0]
 
@@ -503,7 +503,7 @@ class ModelHost:
     ) -> torch.Tensor:
         # routing is set here, inside the checkpointed function, so the backward's
         # recomputation routes the chunk's rows to their adapters again
-        with self.routing.use(lora.segments(token_adapters), rows=len(token_adapters)):
+        with self.routing.route(token_adapters):
             logits = self.unembed(hidden)  # (n, V) fp32
         return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # (n,)
 

@@ -33,7 +33,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import cast
 
@@ -98,6 +98,11 @@ class Routing:
             yield
         finally:
             self.segments, self.over_tokens, self.rows = previous
+
+    def route(self, adapters: Sequence[str | None], over_tokens: bool = False) -> AbstractContextManager[None]:
+        """``use`` for the adapter (or None: the base model) of each row, or of each token
+        with ``over_tokens``; the batch's rows are the list's length."""
+        return self.use(segments(adapters), over_tokens, rows=None if over_tokens else len(adapters))
 
     def token_runs(self, tokens: int) -> list[tuple[str, int, int]]:
         """The runs as (adapter_id, first token, end) over an input of ``tokens`` rows
@@ -167,11 +172,7 @@ class LoRALinear(nn.Module):
     def remove(self, adapter_id: str) -> None:
         if self.group is not None:
             self.group.forget(adapter_id)
-        for p in (self.lora_A.get(adapter_id), self.lora_B.get(adapter_id)):
-            for dtype in (torch.bfloat16, torch.float16):
-                self._casts.pop((id(p), dtype), None)
-        self.lora_A.pop(adapter_id, None)
-        self.lora_B.pop(adapter_id, None)
+        _uncache(self._casts, [self.lora_A.pop(adapter_id, None), self.lora_B.pop(adapter_id, None)])
         self.scales.pop(adapter_id, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, in) or (N, in)
@@ -206,6 +207,14 @@ def _cast(cache: dict[tuple[int, torch.dtype], tuple[int, torch.Tensor]], p: tor
         hit = (p._version, p.detach().to(dtype))
         cache[key] = hit
     return hit[1]
+
+
+def _uncache(cache: dict[tuple[int, torch.dtype], tuple[int, torch.Tensor]],
+             tensors: Sequence[torch.Tensor | None]) -> None:
+    """Drop ``_cast``'s copies of ``tensors`` (in every dtype) from ``cache``."""
+    gone = {id(p) for p in tensors if p is not None}
+    for key in [key for key in cache if key[0] in gone]:
+        del cache[key]
 
 
 def with_adapters(out: torch.Tensor, x: torch.Tensor, routing: Routing, adapters: Collection[str],
@@ -423,10 +432,7 @@ class LoRAExperts(nn.Module):
         self.scales[adapter_id] = scale
 
     def remove(self, adapter_id: str) -> None:
-        for tensors in (self.lora_A.pop(adapter_id, {}), self.lora_B.pop(adapter_id, {})):
-            for p in tensors.values():
-                for dtype in (torch.bfloat16, torch.float16):
-                    self._casts.pop((id(p), dtype), None)
+        _uncache(self._casts, [*self.lora_A.pop(adapter_id, {}).values(), *self.lora_B.pop(adapter_id, {}).values()])
         self.scales.pop(adapter_id, None)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

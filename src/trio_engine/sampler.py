@@ -533,7 +533,7 @@ def _prefill(host: SamplingHost, requests: list[SampleRequest], cache: DynamicCa
     if any(n for n, _ in hits):
         mask = torch.cat([_fill_reused(cache, hits, dev), mask], dim=1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
-    with host.routing.use(lora.segments([r.adapter_id for r in requests]), rows=len(requests)):
+    with host.routing.route([r.adapter_id for r in requests]):
         out = _trunk(host, ids, mask, positions, cache)
     # a copy: the view would keep the whole (P, T, H) output alive in the batch, and a
     # strided input can round the first draw's logits differently from a compact one
@@ -589,7 +589,7 @@ def _row_kv(cache: DynamicCache, mask: torch.Tensor, row: int) -> KV:
 def _decode(host: SamplingHost, tokens: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, adapters):
     """One step for every live row: (R,) new tokens -> (R, H) hidden states."""
     positions = (mask.sum(-1, keepdim=True) - 1)  # (R, 1)
-    with host.routing.use(lora.segments(adapters), rows=len(adapters)):
+    with host.routing.route(adapters):
         out = _trunk(host, tokens[:, None], mask, positions, cache)
     return out.last_hidden_state[:, -1]
 
@@ -611,7 +611,7 @@ def _trunk(host: SamplingHost, ids, mask, positions, cache: DynamicCache):
 
 
 def _logits(host: SamplingHost, hidden: torch.Tensor, adapters) -> torch.Tensor:
-    with host.routing.use(lora.segments(adapters), rows=len(adapters)):
+    with host.routing.route(adapters):
         return host.unembed(hidden).float()  # (R, V)
 
 

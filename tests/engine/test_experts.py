@@ -129,7 +129,7 @@ def test_each_token_goes_through_its_experts_and_its_adapter(row_adapters):
     index = torch.stack([torch.randperm(4)[:2] for _ in range(x.shape[0])])
     weights = torch.rand(x.shape[0], 2)
     ours_x, theirs_x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with routing.use(segments(row_adapters), rows=len(row_adapters)):
+    with routing.route(row_adapters):
         (experts(ours_x, index, weights) ** 2).sum().backward()
 
     factors = {aid: {part: (experts.lora_A[aid][part].detach().clone().requires_grad_(),
@@ -139,7 +139,7 @@ def test_each_token_goes_through_its_experts_and_its_adapter(row_adapters):
     want = _by_hand(experts, theirs_x, index, weights, token_adapters, factors)
     (want**2).sum().backward()
     torch.testing.assert_close(ours_x.grad, theirs_x.grad, atol=1e-4, rtol=1e-4)  # what earlier layers get
-    with torch.no_grad(), routing.use(segments(row_adapters), rows=len(row_adapters)):
+    with torch.no_grad(), routing.route(row_adapters):
         torch.testing.assert_close(experts(x, index, weights), want, atol=TOL, rtol=TOL)
     for aid in ("a", "b"):
         for part in LoRAExperts.PARTS:
@@ -159,7 +159,7 @@ def test_tokens_counted_over_a_packed_row_reach_their_adapters():
     token_adapters = ["b"] * 2 + [None] * 3 + ["a"] * 4
     factors = {aid: {p: (experts.lora_A[aid][p].detach(), experts.lora_B[aid][p].detach()) for p in LoRAExperts.PARTS}
                for aid in ("a", "b")}
-    with torch.no_grad(), routing.use(segments(token_adapters), over_tokens=True):
+    with torch.no_grad(), routing.route(token_adapters, over_tokens=True):
         torch.testing.assert_close(experts(x, index, weights),
                                    _by_hand(experts, x, index, weights, token_adapters, factors), atol=TOL, rtol=TOL)
 
@@ -175,7 +175,7 @@ def test_a_pass_without_adapters_runs_the_modules_own_forward(monkeypatch):
     calls = []
     own = experts.base.forward
     monkeypatch.setattr(experts.base, "forward", lambda *args: calls.append(1) or own(*args))
-    with routing.use(segments([None, None]), rows=2):
+    with routing.route([None, None]):
         experts(torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2))
     assert calls == [1]
 
