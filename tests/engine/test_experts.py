@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from trio_engine import ForwardJob, InvalidInputError, LoraConfig, ModelHost
+from trio_engine import ForwardJob, InvalidInputError, LoraConfig, ModelHost, lora
 from trio_engine.export import merge_into, read_adapter
 from trio_engine.lora import LORA_ALPHA, LoRAExperts, install, segments
 from trio_engine.model import GENERIC, family_of, select_targets
@@ -18,6 +18,7 @@ from .helpers import (
     QWEN2_MOE,
     QWEN3_MOE,
     TEST_CATALOG,
+    needs_cuda,
     plain_model,
     random_example,
     randomize_adapter,
@@ -118,10 +119,15 @@ def _by_hand(experts, x, index, weights, token_adapters, factors):
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("products", ["grouped", "per_expert"])
 @pytest.mark.parametrize("row_adapters", [["a", "a", "a"], ["a", None, "b"], [None, "b", "b"], ["b", "a", "a"]])
-def test_each_token_goes_through_its_experts_and_its_adapter(row_adapters):
+def test_each_token_goes_through_its_experts_and_its_adapter(row_adapters, products, monkeypatch):
     """Rows of several adapters and of the base model in one pass: each token's output,
-    its input's gradient and each adapter's gradients as the per-token formula gives them."""
+    its input's gradient and each adapter's gradients as the per-token formula gives them,
+    with grouped products where they fit (adapter "b"'s rank 2 never does) and with a
+    product per expert throughout."""
+    if products == "per_expert":
+        monkeypatch.setattr(lora, "_groups_fit", lambda x, weight: False)
     experts, routing = _experts_with_adapters()
     torch.manual_seed(1)
     per_row = 5
@@ -148,6 +154,44 @@ def test_each_token_goes_through_its_experts_and_its_adapter(row_adapters):
                     assert ours.grad is None
                 else:
                     torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_grouped_product_gives_a_product_per_experts_numbers(dtype, monkeypatch):
+    """``grouped_linear`` as one grouped call and as a product per expert, experts without
+    rows among them: the same bits, so which one runs never moves a result."""
+    torch.manual_seed(3)
+    weight = torch.randn(6, 48, 32).to(dtype)
+    ends = torch.tensor([3, 0, 17, 7, 0, 2]).cumsum(0)
+    x = torch.randn(int(ends[-1]), 32).to(dtype)
+    assert lora._groups_fit(x, weight)
+    grouped = lora.grouped_linear(x, weight, ends)
+    monkeypatch.setattr(lora, "_groups_fit", lambda x, weight: False)
+    assert torch.equal(grouped, lora.grouped_linear(x, weight, ends))
+    starts = [0, *ends[:-1].tolist()]
+    by_hand = torch.cat([x[lo:hi].double() @ weight[e].double().T for e, (lo, hi) in enumerate(zip(starts, ends.tolist()))])
+    torch.testing.assert_close(grouped.double(), by_hand, rtol=0.02 if dtype == torch.bfloat16 else 1e-5, atol=0.1)
+
+
+@pytest.mark.parametrize(("dtype", "rank", "fits"), [(torch.float32, 4, True), (torch.float32, 2, False),
+                                                     (torch.float32, 6, False), (torch.bfloat16, 8, True),
+                                                     (torch.bfloat16, 4, False), (torch.float16, 8, False)])
+def test_grouped_products_are_taken_where_the_kernel_takes_the_operands(dtype, rank, fits):
+    """The kernel wants 16-byte strides: a rank's (N, r) rows fit at multiples of 4 in fp32
+    and of 8 in bf16; fp16 is no CPU kernel's dtype."""
+    assert lora._groups_fit(torch.randn(10, rank).to(dtype), torch.randn(4, 64, rank).to(dtype)) is fits
+    assert lora._groups_fit(torch.randn(10, 64).to(dtype), torch.randn(4, rank, 64).to(dtype)) is fits
+
+
+@needs_cuda
+def test_grouped_products_on_a_gpu_give_a_product_per_experts_numbers(monkeypatch):
+    torch.manual_seed(4)
+    weight = torch.randn(8, 64, 32, device="cuda", dtype=torch.bfloat16)
+    ends = torch.tensor([5, 0, 9, 1, 0, 0, 17, 3], device="cuda").cumsum(0)
+    x = torch.randn(int(ends[-1]), 32, device="cuda", dtype=torch.bfloat16)
+    grouped = lora.grouped_linear(x, weight, ends)
+    monkeypatch.setattr(lora, "_groups_fit", lambda x, weight: False)
+    torch.testing.assert_close(grouped, lora.grouped_linear(x, weight, ends))
 
 
 def test_tokens_counted_over_a_packed_row_reach_their_adapters():
