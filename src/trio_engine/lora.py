@@ -495,9 +495,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) ->
     """Rows ``x`` (N, in) sorted by expert, expert e's rows ending at ``ends[e]``, each
     times its expert's ``weight[e]``ᵀ ((E, out, in)): (N, out).
 
-    One grouped product (``torch._grouped_mm``: one kernel on a GPU, one call on a CPU)
-    where the kernel takes these tensors (``_groups_fit``), else a product per expert
-    with rows. The two give the same numbers (each expert's rows are one matmul)."""
+    One grouped product (``torch._grouped_mm``) where the kernel takes these tensors
+    (``_groups_fit``), else a product per expert with rows: the same numbers (each
+    expert's rows are one matmul either way), without a Python loop over the experts."""
     if _groups_fit(x, weight):
         return torch._grouped_mm(x, weight.mT, offs=ends.to(torch.int32))
     counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
@@ -505,26 +505,41 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) ->
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-GROUPED_MM_ALIGNMENT = 16  # bytes: torch._grouped_mm wants its operands' strides and addresses on this
+GROUPED_MM_ALIGNMENT = 16  # bytes: torch._grouped_mm's stride (and, on a GPU, address) alignment
 
 
 def _groups_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes x (N, in) and ``weight.mT`` here: on the CPU in
-    fp32 and bf16, on a GPU in bf16 (compute capability 8.0 on, where its kernel is
-    grouped), with every stride of the operands and the output, and their addresses, on
-    ``GROUPED_MM_ALIGNMENT`` bytes (a rank a multiple of 4 in fp32, of 8 in bf16: other
-    ranks, and other dtypes, take the loop)."""
+    """Whether ``torch._grouped_mm`` takes x (N, in) and ``weight.mT``: on the CPU in
+    fp32, bf16 and fp16, on a GPU in bf16 (compute capability 8.0 on; torch runs one
+    grouped kernel on 9.0 and 10.0, a product per group in C++ on the others), each
+    operand row- or column-major with its other stride on ``GROUPED_MM_ALIGNMENT`` bytes
+    (torch's own rule), and the output's rows too (its gradient's, in the backward): a
+    rank-r adapter's products want r a multiple of 4 in fp32 and of 8 in bf16. Other ranks
+    and dtypes take the loop."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
         return False
     if x.device.type == "cuda":
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
             return False
-    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    size = x.element_size()
-    strides = [*x.stride(), *weight.stride(), weight.shape[1]]  # the last: the output's row stride
-    return all((s * size) % GROUPED_MM_ALIGNMENT == 0 for s in strides if s != 1) and all(
-        t.data_ptr() % GROUPED_MM_ALIGNMENT == 0 for t in (x, weight))
+    # the backward multiplies the output's gradient, (N, out) rows: they must fit too
+    output_fits = (weight.shape[1] * x.element_size()) % GROUPED_MM_ALIGNMENT == 0
+    return (output_fits and _aligned_layout(x) and _aligned_layout(weight.mT)
+            and all(t.data_ptr() % GROUPED_MM_ALIGNMENT == 0 for t in (x, weight)))
+
+
+def _aligned_layout(matrix: torch.Tensor) -> bool:
+    """Whether the last two dimensions are column- or row-major (tested in that order, as
+    torch does) with the other stride a multiple of ``GROUPED_MM_ALIGNMENT`` bytes."""
+    (rows, cols), (row_stride, col_stride) = matrix.shape[-2:], matrix.stride()[-2:]
+    if row_stride == 1 and col_stride >= max(1, rows):
+        other = col_stride
+    elif col_stride == 1 and row_stride >= max(1, cols):
+        other = row_stride
+    else:
+        return False
+    return (other * matrix.element_size()) % GROUPED_MM_ALIGNMENT == 0
 
 
 # Decode-sized inference products (a few rows) in fp32 on the CPU: which of x Wᵀ (the

@@ -82,11 +82,11 @@ def test_experts_whose_forward_differs_or_fails_on_the_probe_are_left_alone(monk
 
 def _experts_with_adapters():
     """Qwen3-MoE's first experts block (4 experts, 2 a token) with adapters "a" (rank 4) and
-    "b" (rank 2), their B non-zero."""
+    "b" (rank 1), their B non-zero."""
     model = _tiny("qwen3_moe", **MOE["qwen3_moe"])
     routing = install(model, GENERIC.all_targets())
     experts = model.model.layers[0].mlp.experts
-    for aid, rank in (("a", 4), ("b", 2)):
+    for aid, rank in (("a", 4), ("b", 1)):
         experts.add(aid, rank, LORA_ALPHA / rank, torch.Generator().manual_seed(rank))
         with torch.no_grad():
             for b in experts.lora_B[aid].values():
@@ -124,7 +124,7 @@ def _by_hand(experts, x, index, weights, token_adapters, factors):
 def test_each_token_goes_through_its_experts_and_its_adapter(row_adapters, products, monkeypatch):
     """Rows of several adapters and of the base model in one pass: each token's output,
     its input's gradient and each adapter's gradients as the per-token formula gives them,
-    with grouped products where they fit (adapter "b"'s rank 2 never does) and with a
+    with grouped products where they fit (not adapter "b"'s rank-1 B products) and with a
     product per expert throughout."""
     if products == "per_expert":
         monkeypatch.setattr(lora, "_groups_fit", lambda x, weight: False)
@@ -173,14 +173,24 @@ def test_a_grouped_product_gives_a_product_per_experts_numbers(dtype, monkeypatc
     torch.testing.assert_close(grouped.double(), by_hand, rtol=0.02 if dtype == torch.bfloat16 else 1e-5, atol=0.1)
 
 
-@pytest.mark.parametrize(("dtype", "rank", "fits"), [(torch.float32, 4, True), (torch.float32, 2, False),
-                                                     (torch.float32, 6, False), (torch.bfloat16, 8, True),
-                                                     (torch.bfloat16, 4, False), (torch.float16, 8, False)])
-def test_grouped_products_are_taken_where_the_kernel_takes_the_operands(dtype, rank, fits):
-    """The kernel wants 16-byte strides: a rank's (N, r) rows fit at multiples of 4 in fp32
-    and of 8 in bf16; fp16 is no CPU kernel's dtype."""
-    assert lora._groups_fit(torch.randn(10, rank).to(dtype), torch.randn(4, 64, rank).to(dtype)) is fits
-    assert lora._groups_fit(torch.randn(10, 64).to(dtype), torch.randn(4, rank, 64).to(dtype)) is fits
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grouped_products_are_taken_where_the_kernel_takes_them_forward_and_backward(dtype):
+    """For each rank, an adapter's two products (x Aᵀ over (N, in) rows, then Bᵀ over (N, r)
+    rows): where ``_groups_fit`` says yes, ``torch._grouped_mm`` runs forward and backward;
+    ranks that are multiples of 16 bytes say yes, the others (rank 1 among them) no."""
+    ends = torch.tensor([2, 2, 5])
+    aligned = 16 // torch.empty(0, dtype=dtype).element_size()
+    for rank in (1, 2, 4, 6, 8, 16):
+        for x, weight in ((torch.randn(5, 64), torch.randn(3, rank, 64)),
+                          (torch.randn(5, rank), torch.randn(3, 64, rank))):
+            x, weight = x.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+            fits = lora._groups_fit(x, weight)
+            assert fits is (rank % aligned == 0), (rank, tuple(weight.shape))
+            if fits:
+                out = torch._grouped_mm(x, weight.mT, offs=ends.to(torch.int32))
+                out.backward(torch.randn(out.shape).to(dtype))
+    with pytest.raises(RuntimeError, match="16 bytes"):  # what the loop spares a rank-1 B product
+        torch._grouped_mm(torch.randn(5, 1).to(dtype), torch.randn(3, 64, 1).to(dtype).mT, offs=ends.to(torch.int32))
 
 
 @needs_cuda
