@@ -216,8 +216,8 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
     form ``target_modules`` takes (names, full paths as peft writes for "all-linear", a
     regex). rsLoRA's scale (alpha / sqrt(r)) is kept by loading its alpha as alpha·sqrt(r).
     A copy of the base head that peft saves beside an adapted one (``lm_head.base_layer.weight``,
-    its ``save_embedding_layers``) is skipped: the host serves its own base weights (a
-    resized head still fails on the shape of B).
+    its ``save_embedding_layers``) is not among them: ``head_copy_fault`` checks it against
+    the model's own.
 
     Raises:
         InvalidInputError: the adapter is not plain LoRA on linear layers and experts'
@@ -248,6 +248,36 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
             alpha=alpha * math.sqrt(rank) if cfg.get("use_rslora") else alpha,
         )
         return config, weights
+
+
+# A PEFT head copy in bf16 of an fp32 head (or the other way) is off by bf16's rounding,
+# under 2^-8 of each weight: twice that still tells a trained or another head apart
+HEAD_COPY_RTOL = 2**-7
+
+
+def head_copy_fault(folder: str | Path, head: torch.Tensor) -> str | None:
+    """What is wrong with the copy of the base head a PEFT folder may hold beside an
+    adapted head (``lm_head.base_layer.weight``, peft's ``save_embedding_layers``), or None
+    (no copy, or a copy of ``head`` within bf16's rounding). peft loads such a copy over the
+    model's own head; TRIO's base is shared, so an adapter expecting another head must not
+    run on this one."""
+    folder = Path(folder)
+    with _readable(folder):
+        tensors = load_file(folder / "adapter_model.safetensors", device="cpu")
+    ours = head.detach().float()
+    for key, copy in tensors.items():
+        if not (key.startswith(PEFT_PREFIX) and key.endswith(PEFT_HEAD_COPIES)):
+            continue
+        if copy.shape != ours.shape:
+            return (f"adapter_model.safetensors holds {key} of shape {tuple(copy.shape)}, where this model's head "
+                    f"is {tuple(ours.shape)} (a resized vocabulary?)")
+        theirs = copy.to(ours.device).float()
+        floor = HEAD_COPY_RTOL * 1e-3 * float(ours.abs().max())  # for weights near 0
+        if not torch.allclose(theirs, ours, rtol=HEAD_COPY_RTOL, atol=floor):
+            return (f"adapter_model.safetensors holds {key}, a head {float((ours - theirs).abs().max()):.3g} off "
+                    "this model's at most: the adapter expects another base head, which peft would load over "
+                    "the model's and TRIO's shared base cannot")
+    return None
 
 
 def _from_peft(name: str, tensor: torch.Tensor, cfg: dict[str, Any]) -> tuple[str, torch.Tensor]:

@@ -52,7 +52,7 @@ from .catalog import (
     load_tokenizer,
     save_portable_tokenizer,
 )
-from .checkpoint import load_peft_adapter, load_training_state, save_peft_adapter
+from .checkpoint import head_copy_fault, load_peft_adapter, load_training_state, save_peft_adapter
 from .device import DTYPES
 from .lora import LoraConfig, LoRAExperts
 
@@ -126,7 +126,8 @@ def export_merged(
 
     Raises:
         ExportError: no checkpoint at ``folder``, ``out`` not empty, or an adapter that
-            does not fit the base model (a module it names is missing or of another shape).
+            does not fit the base model (a module it names is missing or of another shape,
+            or a PEFT folder's copy of the head is not the base's: ``head_copy_fault``).
         ModelNotAvailableError: the base model is not available on this machine.
 
     Example:
@@ -139,6 +140,10 @@ def export_merged(
     dtype = stored_dtype(source)
     say(f"[trio] 1/4 loading base model {adapter.base_model} (fp32)")
     model, _ = load_model_and_tokenizer(source, torch.float32)
+    fault = (head_copy_fault(folder, model.get_output_embeddings().weight)
+             if (Path(folder) / "adapter_config.json").exists() else None)
+    if fault:
+        raise ExportError(f"{folder}: {fault}")
     say(f"[trio] 2/4 merging LoRA into {len(adapter.modules())} linear layers "
         f"(rank {adapter.config.rank}, scale {adapter.config.scale:g})")
     untied = merge_into(model, adapter)

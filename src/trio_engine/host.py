@@ -28,7 +28,7 @@ import math
 import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
@@ -629,6 +629,9 @@ class ModelHost:
         config, weights = checkpoint.load_peft_adapter(folder)
         # a PEFT adapter on some of the layers loads: the others keep B = 0 (no change)
         _check_saved(weights, self._saved_shapes(config), "weights", complete=False)
+        fault = checkpoint.head_copy_fault(folder, cast(torch.Tensor, self.unembed.lm_head.weight))
+        if fault:
+            raise InvalidInputError(f"path: {fault}", field="path")
         with self.lock:
             self._replace(adapter_id, config, weights)
 

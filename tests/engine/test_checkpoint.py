@@ -336,6 +336,32 @@ def _saved_checkpoint(tmp_path):
     return folder, _tree(folder)
 
 
+def test_a_peft_head_copy_loads_only_if_it_is_this_models_head(tiny_host, new_id, tmp_path):
+    """peft saves the base head beside an adapted one (save_embedding_layers) and loads it
+    over the model's own: the copy is taken when it is this model's head (as stored, or
+    rounded to bf16), and refused, naming it, when it is another head or another shape."""
+    from trio_engine import InvalidInputError
+
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=3, train_unembed=True))
+    randomize_adapter(tiny_host, aid, seed=2)
+    tiny_host.save_sampler_weights(aid, tmp_path)
+    head = tiny_host.unembed.lm_head.weight.detach().float().clone()
+    key = "base_model.model.lm_head.base_layer.weight"
+    for copy in (head, head.bfloat16()):
+        _edited(tmp_path, "adapter_model.safetensors", lambda tensors, copy=copy: {**tensors, key: copy})
+        tiny_host.load_sampler_weights(aid + "-copy", str(tmp_path))
+        loaded = tiny_host.adapter_params(aid + "-copy")
+        assert all(torch.equal(loaded[k], v) for k, v in tiny_host.adapter_params(aid).items())
+    for copy, says in ((head * 1.05, "off this model's at most"), (head[:-1], "of shape")):
+        _edited(tmp_path, "adapter_model.safetensors", lambda tensors, copy=copy: {**tensors, key: copy})
+        with pytest.raises(InvalidInputError, match=f"path: adapter_model.safetensors holds {key}.*{says}"):
+            tiny_host.load_sampler_weights(aid + "-bad", str(tmp_path))
+    assert not tiny_host.has_adapter(aid + "-bad")
+    for a in (aid, aid + "-copy"):
+        tiny_host.delete_adapter(a)
+
+
 def test_a_disk_full_mid_write_keeps_the_old_folder_and_leaves_no_debris(tmp_path):
     import errno
 

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from trio_engine import ModelNotAvailableError
 from trio_engine.catalog import Catalog
@@ -153,6 +153,19 @@ def test_errors_name_what_is_wrong(catalog, tmp_path):
         export_merged(tmp_path / "ckpt", tmp_path / "full", catalog=catalog)
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["x"]
 
+    # peft's copy of the base head (save_embedding_layers): the base's merges, another is refused
+    tensors = load_file(tmp_path / "ckpt" / "adapter_model.safetensors")
+    head = base.lm_head.weight.detach().clone()
+    for copy, out in ((head, "same-head"), (head * 1.05, "other-head")):
+        save_file({**tensors, "base_model.model.lm_head.base_layer.weight": copy},
+                  tmp_path / "ckpt" / "adapter_model.safetensors")
+        if out == "same-head":
+            export_merged(tmp_path / "ckpt", tmp_path / out, catalog=catalog, progress=lambda _: None)
+        else:
+            with pytest.raises(ExportError, match="holds base_model.model.lm_head.base_layer.weight, a head"):
+                export_merged(tmp_path / "ckpt", tmp_path / out, catalog=catalog, progress=lambda _: None)
+            assert not (tmp_path / out).exists()
+
     # an adapter for another model: its base is not here
     config = json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())
     (tmp_path / "ckpt" / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/absent"}))
@@ -162,7 +175,6 @@ def test_errors_name_what_is_wrong(catalog, tmp_path):
     # an adapter that does not fit the base: a module it lacks, then a wrong shape
     random_adapter_folder(tmp_path / "wide", plain_model("trio/tiny-llama"), TIED, LoraConfig(rank=2))
     weights = load_file(tmp_path / "wide" / "adapter_model.safetensors")
-    from safetensors.torch import save_file
 
     moved = {k.replace("layers.1.", "layers.7."): v for k, v in weights.items()}
     save_file(moved, tmp_path / "wide" / "adapter_model.safetensors")
