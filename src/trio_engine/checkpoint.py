@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .errors import CheckpointWriteError, InvalidInputError
@@ -262,12 +262,12 @@ def head_copy_fault(folder: str | Path, head: torch.Tensor) -> str | None:
     model's own head; TRIO's base is shared, so an adapter expecting another head must not
     run on this one."""
     folder = Path(folder)
-    with _readable(folder):
-        tensors = load_file(folder / "adapter_model.safetensors", device="cpu")
+    with _readable(folder), safe_open(folder / "adapter_model.safetensors", framework="pt") as file:
+        # the header names the tensors: only a head copy, if any, is read from the disk
+        copies = {key: file.get_tensor(key) for key in file.keys()
+                  if key.startswith(PEFT_PREFIX) and key.endswith(PEFT_HEAD_COPIES)}
     ours = head.detach().float()
-    for key, copy in tensors.items():
-        if not (key.startswith(PEFT_PREFIX) and key.endswith(PEFT_HEAD_COPIES)):
-            continue
+    for key, copy in copies.items():
         if copy.shape != ours.shape:
             return (f"adapter_model.safetensors holds {key} of shape {tuple(copy.shape)}, where this model's head "
                     f"is {tuple(ours.shape)} (a resized vocabulary?)")

@@ -459,7 +459,7 @@ class LoRAExperts(nn.Module):
         key = (slot.unsqueeze(1) * experts + top_k_index).reshape(-1)
         order = torch.argsort(key, stable=True)
         rows = torch.bincount(key, minlength=(len(adapters) + 1) * experts).view(-1, experts)  # (block, expert)
-        blocks = [(adapter_id, expert_rows) for adapter_id, expert_rows in zip([*adapters, None], rows, strict=True)]
+        blocks = list(zip([*adapters, None], rows.cumsum(dim=1), strict=True))  # each block's expert ends
         sizes = rows.sum(dim=1).tolist()
         apply_gate = cast(Callable[[torch.Tensor], torch.Tensor], self.base._apply_gate)
         # index_select and index_copy, not indexing: their backwards are an index_add and a
@@ -471,14 +471,13 @@ class LoRAExperts(nn.Module):
 
     def _by_blocks(self, x: torch.Tensor, part: str, blocks: list[tuple[str | None, torch.Tensor]],
                    sizes: list[int]) -> torch.Tensor:
-        """``part``'s products of sorted rows ``x``, block by block: each block's rows per
-        expert ``blocks`` (adapter or None, rows (E,)), its size in ``sizes``."""
+        """``part``'s products of sorted rows ``x``, block by block: ``blocks`` (adapter or
+        None, where each expert's rows end in the block (E,)), their sizes ``sizes``."""
         weight = self.weight(part)
         outs = []
-        for (adapter_id, expert_rows), x_block in zip(blocks, x.split(sizes), strict=True):
+        for (adapter_id, ends), x_block in zip(blocks, x.split(sizes), strict=True):
             if not len(x_block):
                 continue
-            ends = expert_rows.cumsum(0)
             y = grouped_linear(x_block, weight, ends)
             if adapter_id is not None:
                 a, b = (self._factors(t[adapter_id][part], x.dtype) for t in (self.lora_A, self.lora_B))
