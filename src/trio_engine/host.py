@@ -38,7 +38,15 @@ from .catalog import DEFAULT_MODEL, Catalog, load_model_and_tokenizer
 from .device import DTYPES, resolve_device, resolve_dtype
 from .errors import AdapterNotFoundError, InvalidInputError, NonFiniteLossError
 from .losses import LOSSES, OPTIONAL_INPUTS
-from .model import Head, check_head, check_plain_head, context_of, family_of, select_targets
+from .model import (
+    Head,
+    check_head,
+    check_plain_head,
+    context_of,
+    family_of,
+    select_targets,
+    text_forward_filter,
+)
 from .optim import AdamConfig, AdamState, adamw_step
 
 log = logging.getLogger("trio.engine")
@@ -143,7 +151,8 @@ class ModelHost:
         self.family = family_of(self.model.config)  # LoRA targets and head, per model family
         check_head(self.family, self.model.config)
         check_plain_head(self.family, self.model)
-        self.routing = lora.install(self.model, self.family.all_targets(), self.family.siblings)
+        self.in_text = text_forward_filter(self.model)  # a vision tower is neither adapted nor loaded
+        self.routing = lora.install(self.model, self.family.all_targets(), self.family.siblings, within=self.in_text)
         self.trunk = self.model.get_decoder()
         # the one place logits are made, trainer and sampler alike: lm_head + family transform
         self.unembed = Head(self.model.get_output_embeddings(), self.family.transform(self.model.config))
@@ -607,6 +616,10 @@ class ModelHost:
                 field="path",
             )
         # every check before the delete below: a checkpoint that cannot load changes nothing
+        state.weights = self._text_only(state.weights)
+        if state.optim is not None:
+            state.optim.exp_avg, state.optim.exp_avg_sq = map(self._text_only, (state.optim.exp_avg,
+                                                                               state.optim.exp_avg_sq))
         shapes = self._saved_shapes(state.config)
         _check_saved(state.weights, shapes, "weights", complete=True)
         if state.optim is not None:
@@ -627,6 +640,7 @@ class ModelHost:
     def load_sampler_weights(self, adapter_id: str, folder: str) -> None:
         """Load a PEFT adapter folder (ours or any rank-r LoRA on the same targets)."""
         config, weights = checkpoint.load_peft_adapter(folder)
+        weights = self._text_only(weights)
         # a PEFT adapter on some of the layers loads: the others keep B = 0 (no change)
         _check_saved(weights, self._saved_shapes(config), "weights", complete=False)
         fault = checkpoint.head_copy_fault(folder, cast(torch.Tensor, self.unembed.lm_head.weight))
@@ -634,6 +648,13 @@ class ModelHost:
             raise InvalidInputError(f"path: {fault}", field="path")
         with self.lock:
             self._replace(adapter_id, config, weights)
+
+    def _text_only(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` less those of layers a text forward never runs: peft, given a
+        multimodal model and target names, adapts its vision tower's ``q_proj`` too (and
+        TRIO's own checkpoints of such a model held them until it left the tower out).
+        Only text runs here, so those tensors take no part and are dropped."""
+        return {name: t for name, t in tensors.items() if self.in_text(name.rsplit(".", 1)[0])}
 
     def _saved_shapes(self, config: lora.LoraConfig) -> dict[str, torch.Size]:
         """The tensors (names and shapes) of an adapter of ``config`` on this model."""

@@ -682,16 +682,24 @@ def _cut_at_runs(runs: list[tuple[str, slice]], rows: int) -> tuple[list[int], l
 
 
 def install(model: nn.Module, suffixes: Collection[str],
-            sibling_names: Sequence[tuple[str, ...]] = ()) -> Routing:
+            sibling_names: Sequence[tuple[str, ...]] = (),
+            within: Callable[[str], bool] = lambda path: True) -> Routing:
     """Wrap every linear layer of ``model`` named one of ``suffixes`` once (the model
     family's targets, ``model.FamilySpec.all_targets``), and every mixture-of-experts
     block's experts in ``LoRAExperts``' layout when ``suffixes`` name both its parts; fuse each module's children
     named as one of ``sibling_names`` (``FamilySpec.siblings``) into a ``SiblingGroup``
-    where they fit (``fuse``); returns the shared Routing."""
+    where they fit (``fuse``); returns the shared Routing.
+
+    ``within``: whether a module's path is one to wrap (the host passes
+    ``model.text_forward_filter``: a multimodal model's vision tower, which a text forward
+    never runs, keeps its plain ``q_proj``, so adapters and their files hold no weights
+    for it)."""
     routing = Routing()
     wraps_experts = set(LoRAExperts.PARTS) <= set(suffixes)
-    for module in list(model.modules()):
+    for path, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
+            if not within(f"{path}.{child_name}" if path else child_name):
+                continue
             if child_name in suffixes and isinstance(child, nn.Linear):
                 setattr(module, child_name, LoRALinear(child, routing))
             elif wraps_experts and LoRAExperts.fits(child):

@@ -246,7 +246,7 @@ def select_targets(model: nn.Module, spec: FamilySpec, config: LoraConfig) -> tu
             model without any of its targets (``_refuse_layers_without``); nothing is
             changed.
     """
-    in_text = _text_forward_filter(model)
+    in_text = text_forward_filter(model)
     linears = [name for name, module in model.named_modules()
                if isinstance(module, nn.Linear | LoRALinear) and in_text(name)]
     # wrapped experts count as their parts' layers (``model.layers.0.mlp.experts.down_proj``)
@@ -274,7 +274,7 @@ def select_targets(model: nn.Module, spec: FamilySpec, config: LoraConfig) -> tu
     return tuple(chosen)
 
 
-def _text_forward_filter(model: nn.Module) -> Callable[[str], bool]:
+def text_forward_filter(model: nn.Module) -> Callable[[str], bool]:
     """Whether a module or parameter path is in what a text forward runs: the decoder and
     the head, less any other model nested in the decoder. That is where a partial adapter
     matters: a multimodal model's vision tower never runs here (Gemma 3's, beside the
