@@ -315,7 +315,11 @@ class TinkerDoor:
                 return Reply.json({"model_id": model_id, "type": "create_model"})
             return Reply.json({"model_id": model_id, "type": "load_weights"})
         if op == "optim_step":
-            return Reply.json({"metrics": result.get("metrics") or {}})
+            # less the run's step count: the cookbook merges these metrics into the record it
+            # logs, whose own (0-based) "step" a float 1.0, 2.0 ... would replace, and its
+            # resume, which drops a run's records from an int step on, would keep them
+            metrics = {k: v for k, v in (result.get("metrics") or {}).items() if k != "step"}
+            return Reply.json({"metrics": metrics})
         if op in ("save_weights", "load_weights"):
             return Reply.json({"path": to_tinker_path(result["path"])})
         return Reply.json(result)

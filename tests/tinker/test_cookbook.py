@@ -48,7 +48,8 @@ def test_math_rl_recipe_cli(tinker_env, tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
 
     steps = [m for m in _jsonl(log_path / "metrics.jsonl") if "progress/batch" in m]
-    assert [m["step"] for m in steps] == [1, 2]
+    # the cookbook's own count, as ints (a float step from the server's answer replaced it)
+    assert [m["step"] for m in steps] == [0, 1] and all(type(m["step"]) is int for m in steps)
     for m in steps:
         assert m["env/all/total_episodes"] == 8  # groups_per_batch x group_size samples
         # the sampler's logprobs and the trainer's agree: importance ratios start at 1
@@ -68,7 +69,7 @@ def test_supervised_recipe(tinker_env, tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
 
     metrics = _jsonl(log_path / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5] and all(type(m["step"]) is int for m in metrics)
     evals = [m["test/nll"] for m in metrics if "test/nll" in m]
     assert len(evals) == 2 and evals[1] < evals[0]  # held-out loss, before and after 3 steps
     train = [m["train_mean_nll"] for m in metrics]
