@@ -92,7 +92,7 @@ class TrainingClient:
 
         Args:
             data: datums with ``target_tokens`` and the loss's inputs in ``loss_fn_inputs``.
-            loss_fn: ``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo`` or ``dro``;
+            loss_fn: ``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``, ``gspo`` or ``dro``;
                 or a function ``loss_fn(data, logprobs) -> (loss, metrics)``, which runs as
                 ``forward_backward_custom`` (then ``loss_fn_config`` must be None).
             loss_fn_config: e.g. ``{"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}``.

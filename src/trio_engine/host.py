@@ -252,6 +252,10 @@ class ModelHost:
         allowed = {"target_tokens", *spec.required, *OPTIONAL_INPUTS}
         for i, ex in enumerate(job.examples):
             self._validate_example(i, ex, ("target_tokens", *spec.required), allowed)
+            for name in spec.marking:
+                if not any(ex.inputs[name]):
+                    raise InvalidInputError(f"data[{i}].loss_fn_inputs[{name!r}]: marks no token (all zero); "
+                                            f"{job.loss_fn!r} averages over the tokens it marks", i, name)
 
     def _validate_example(
         self, i: int, ex: Example, required: Sequence[str], allowed: set[str]

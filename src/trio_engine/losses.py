@@ -71,6 +71,34 @@ def cispo(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
     return -inputs["weights"] * clipped * inputs["advantages"] * logp, metrics
 
 
+def gspo(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
+    """Group sequence policy optimisation, token form (Zheng et al., 2025, "GSPO",
+    arXiv:2507.18071, section 4.3; tinker's ``gspo``).
+
+    PPO's clipped objective with one importance ratio per sequence: the geometric mean
+    s = exp(mean_{t in M}(logp_t - q_t)) over the tokens M that ``sequence_ratio_mask``
+    marks (non-zero), each token carrying s's value and its own logprob's gradient,
+    ``s_t = sg(s) · exp(logp_t - sg(logp_t))``, and
+    ``L_t = -w_t · min(s_t·A_t, clip(s_t, low, high)·A_t)`` with PPO's bounds
+    ``clip_low_threshold`` (0.8) and ``clip_high_threshold`` (1.2). Clipping so keeps or
+    drops whole sequences; per-token advantages still work. Metrics as PPO's (the ratio
+    is s on every token).
+    """
+    low = float(config.get("clip_low_threshold", 0.8))
+    high = float(config.get("clip_high_threshold", 1.2))
+    adv = inputs["advantages"]
+    in_ratio = inputs["sequence_ratio_mask"] != 0  # at least one token: validated by the host
+    log_ratio = (logp.detach() - inputs["logprobs"])[in_ratio].mean()
+    ratio = torch.exp(log_ratio + logp - logp.detach())
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+    metrics = {
+        "clip_low_fraction": ((ratio < low) & (adv < 0)).float(),
+        "clip_high_fraction": ((ratio > high) & (adv > 0)).float(),
+        "ratio": ratio.detach(),
+    }
+    return -inputs["weights"] * surrogate, metrics
+
+
 def dro(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
     """Direct reward optimisation with a quadratic penalty (Richemond et al., 2024,
     "Offline Regularised Reinforcement Learning for LLM Alignment", arXiv:2405.19107).
@@ -90,6 +118,7 @@ class LossSpec:
     fn: Callable[[Tensor, dict[str, Tensor], dict], LossResult]
     required: tuple[str, ...]  # loss_fn_inputs the loss needs besides target_tokens
     config_keys: tuple[str, ...] = ()
+    marking: tuple[str, ...] = ()  # inputs that must mark (be non-zero at) one token at least
 
 
 LOSSES: dict[str, LossSpec] = {
@@ -97,6 +126,8 @@ LOSSES: dict[str, LossSpec] = {
     "importance_sampling": LossSpec(importance_sampling, ("logprobs", "advantages")),
     "ppo": LossSpec(ppo, ("logprobs", "advantages"), ("clip_low_threshold", "clip_high_threshold")),
     "cispo": LossSpec(cispo, ("logprobs", "advantages"), ("clip_low_threshold", "clip_high_threshold")),
+    "gspo": LossSpec(gspo, ("logprobs", "advantages", "sequence_ratio_mask"),
+                     ("clip_low_threshold", "clip_high_threshold"), marking=("sequence_ratio_mask",)),
     "dro": LossSpec(dro, ("logprobs", "advantages"), ("beta",)),
 }
 

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from trio_engine import Example, ForwardJob, losses
+from trio_engine import Example, ForwardJob, InvalidInputError, losses
 
 N = 12
 #                    0     1     2     3     4     5     6     7     8     9     10    11
@@ -22,7 +22,12 @@ A = torch.tensor([0.8, -1.2, 0.5, -0.3, 1.1, -0.9, -0.6, 0.4, 0.7, -1.5, 1.3, 0.
 W = torch.tensor([1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 0.5], dtype=torch.float64)
 LOGP = -(torch.rand(N, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3 + 0.1)
 Q = LOGP - torch.log(R)  # so that exp(LOGP - Q) == R
-INPUTS = {"logprobs": Q, "advantages": A, "weights": W}
+# GSPO's sequence ratio averages over the tokens this marks (not the first two, a "prompt")
+M = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.float64)
+INPUTS = {"logprobs": Q, "advantages": A, "weights": W, "sequence_ratio_mask": M}
+# GSPO's sequence ratio, written out: exp(mean of log r over the marked tokens 2..11) = 1.1314;
+# inside the default bounds (0.8, 1.2), above (0.9, 1.05)
+GSPO_S = math.exp(sum(math.log(r) for r in [0.92, 1.1, 1.4, 1.7, 0.55, 0.95, 1.5, 2.0, 0.7, 1.3]) / 10)
 CFGS = [{}, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05, "beta": 0.3}]
 
 # Which tokens PPO clips, written out (not computed): with the default bounds (0.8, 1.2)
@@ -49,6 +54,10 @@ def by_hand(name, lp, cfg):
             v = -min(r * a, min(max(r, lo), hi) * a)
         elif name == "cispo":
             v = -min(max(r, lo), hi) * a * lp[t]
+        elif name == "gspo":
+            marked = [u for u in range(N) if M[u]]
+            sr = math.exp(sum(lp[u] - float(Q[u]) for u in marked) / len(marked))
+            v = -min(sr * a, min(max(sr, lo), hi) * a)
         elif name == "dro":
             v = -(a * lp[t] - 0.5 * cfg.get("beta", 0.05) * (lp[t] - q) ** 2)
         out.append(float(W[t]) * v)
@@ -120,6 +129,23 @@ def test_ppo_gradient_is_zero_exactly_where_clipped(cfg):
     assert bool((grad[~clipped & (W != 0)] != 0).all())
 
 
+@pytest.mark.parametrize("cfg", CFGS)
+def test_gspo_gradient_is_each_tokens_own_times_the_sequence_ratio(cfg):
+    """GSPO-token: token t's gradient is -w·s·A through its own logprob alone (s is
+    detached), and 0 where s is clipped: with (0.9, 1.05), s = 1.13 clips the tokens of
+    positive advantage."""
+    lo, hi = bounds(cfg)
+    lp = LOGP.clone().requires_grad_(True)
+    loss, metrics = losses.gspo(lp, INPUTS, cfg)
+    (grad,) = torch.autograd.grad(loss.sum(), lp)
+    clipped = [(a > 0 and GSPO_S > hi) or (a < 0 and GSPO_S < lo) for a in A.tolist()]
+    expected = torch.tensor([0.0 if c else -w * GSPO_S * a for c, w, a in zip(clipped, W.tolist(), A.tolist())],
+                            dtype=torch.float64)
+    assert any(clipped) == (cfg != {})
+    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(metrics["ratio"], torch.full((N,), GSPO_S, dtype=torch.float64))
+
+
 def test_cispo_gradient_is_detached_clipped_weight():
     """d/dlogp of CISPO is -w·clip(r)·A: the IS weight carries no gradient."""
     lp = LOGP.clone().requires_grad_(True)
@@ -139,6 +165,8 @@ def test_each_loss_reports_its_metrics_by_name():
         "ppo": {"clip_low_fraction": torch.tensor(PPO_CLIP_LOW, dtype=torch.float32),
                 "clip_high_fraction": torch.tensor(PPO_CLIP_HIGH, dtype=torch.float32), "ratio": R},
         "cispo": {"clip_fraction": (R < 0.8) | (R > 1.2), "ratio": R},
+        "gspo": {"clip_low_fraction": torch.zeros(N), "clip_high_fraction": torch.zeros(N),
+                 "ratio": torch.full((N,), GSPO_S)},
         "dro": {"log_ratio": log_r},
     }
     assert sorted(expected) == sorted(losses.LOSSES)
@@ -189,3 +217,27 @@ def test_ppo_through_the_host_averages_clip_metrics_over_weighted_tokens(tiny_ho
     assert out.metrics["clip_high_fraction:mean"] == pytest.approx(2 / 10)
     assert out.metrics["clip_low_fraction:mean"] == pytest.approx(2 / 10)
     assert out.metrics["ratio:mean"] == pytest.approx(float(R[active].mean()), rel=1e-5)
+
+
+def test_gspo_through_the_host_and_its_mask_checked(tiny_host):
+    """The host's GSPO: the sequence ratio over the marked tokens, per token as written
+    out; a datum without the mask, or whose mask marks nothing, is refused by name."""
+    rng = random.Random(4)
+    tokens = [rng.randrange(tiny_host.vocab_size) for _ in range(N + 1)]
+    plain = Example(tokens[:-1], {"target_tokens": tokens[1:]})
+    logp = torch.tensor(tiny_host.forward([ForwardJob(None, [plain])])[0].logprobs[0], dtype=torch.float64)
+    inputs = {"target_tokens": tokens[1:], "logprobs": (logp - torch.log(R)).tolist(), "advantages": A.tolist(),
+              "weights": W.tolist(), "sequence_ratio_mask": M.tolist()}
+    out = tiny_host.forward([ForwardJob(None, [Example(tokens[:-1], inputs)], "gspo")])[0]
+    expected = -W * torch.minimum(GSPO_S * A, min(max(GSPO_S, 0.8), 1.2) * A)
+    torch.testing.assert_close(torch.tensor(out.elementwise_loss[0], dtype=torch.float64), expected,
+                               atol=1e-5, rtol=1e-5)
+
+    for mask, message in ((None, r"data\[1\]\.loss_fn_inputs: missing 'sequence_ratio_mask'"),
+                          ([0.0] * N, r"data\[1\]\.loss_fn_inputs\['sequence_ratio_mask'\]: marks no token")):
+        bad = {k: v for k, v in inputs.items() if k != "sequence_ratio_mask"}
+        if mask is not None:
+            bad["sequence_ratio_mask"] = mask
+        with pytest.raises(InvalidInputError, match=message) as err:
+            tiny_host.forward([ForwardJob(None, [Example(tokens[:-1], inputs), Example(tokens[:-1], bad)], "gspo")])
+        assert err.value.field == "sequence_ratio_mask"

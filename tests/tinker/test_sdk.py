@@ -95,8 +95,8 @@ def _walk_every_route(service, tinker_server):
 
     # a loss TRIO lacks fails its own future, naming the ones it has; later calls still run
     with pytest.raises(tinker.RequestFailedError) as failed:
-        tc.forward_backward(data, "gspo").result()
-    assert "gspo" in str(failed.value) and "importance_sampling" in str(failed.value)
+        tc.forward_backward(data, "stable_reinforce").result()
+    assert "stable_reinforce" in str(failed.value) and "importance_sampling" in str(failed.value)
     tc.optim_step(tt.AdamParams(**ADAM)).result()
 
     # importance_sampling by its tinker name, with the sampler's logprobs as q
@@ -106,6 +106,14 @@ def _walk_every_route(service, tinker_server):
         for d, o in zip(data, tc.forward(data, "cross_entropy").result().loss_fn_outputs)]
     is_out = tc.forward_backward(rl, "importance_sampling").result()
     assert np.isfinite(is_out.metrics["loss:sum"])
+    # gspo with its sequence_ratio_mask (as the cookbook's rl_loop sends it): on-policy, the
+    # sequence ratio is 1 and each token's loss -A = -1
+    gspo = [tt.Datum(model_input=d.model_input, loss_fn_inputs={
+        **d.loss_fn_inputs, "sequence_ratio_mask": np.ones(len(d.loss_fn_inputs["logprobs"].to_numpy()), np.float32)})
+        for d in rl]
+    gspo_out = tc.forward_backward(gspo, "gspo").result()
+    tokens = sum(len(d.loss_fn_inputs["logprobs"].to_numpy()) for d in rl)
+    assert _close(gspo_out.metrics["loss:sum"], -tokens)
 
     # checkpoints: tinker:// paths of the same checkpoints pytrio calls trio://
     state = tc.save_state("st1").result().path
