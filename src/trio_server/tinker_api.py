@@ -126,7 +126,7 @@ class Reply:
 
     @classmethod
     def failed(cls, category: str, message: str) -> Reply:
-        return cls.json({"error": message, "category": CATEGORY.get(category, "unknown")})
+        return cls.json({"error": in_tinker_terms(message), "category": CATEGORY.get(category, "unknown")})
 
 
 @dataclass
@@ -377,6 +377,19 @@ def _tinker_checkpoint(c: Any) -> dict:
     }
 
 
+def in_tinker_terms(message: str) -> str:
+    """A core message for a tinker client: its checkpoint paths as that client wrote them
+    (``tinker://``, where the core says ``trio://``)."""
+    return message.replace("trio://", "tinker://")
+
+
+EXTERNAL_WEIGHTS_REFUSAL = (
+    "exporting weights to external storage (save_weights_external) is not supported by TRIO: save "
+    "sampler weights (save_weights_for_sampler), then fetch them with pytrio's download_checkpoint_archive "
+    "or `trio checkpoints download`, a PEFT folder that peft and vLLM load; `trio export --merge` writes "
+    "a merged Hugging Face model")
+
+
 def need(body: dict, name: str) -> Any:
     """A required field of a tinker body; a missing one is the client's error, never a 500."""
     if body.get(name) is None:
@@ -393,7 +406,10 @@ class _AnsweredRoute(APIRoute):
         async def answered(request: Request) -> Response:
             try:
                 return await handler(request)
-            except (ServiceError, HTTPException, RequestValidationError):
+            except ServiceError as exc:
+                exc.message = in_tinker_terms(exc.message)
+                raise
+            except (HTTPException, RequestValidationError):
                 raise
             except Exception as exc:
                 log.exception("tinker route %s failed", request.url.path)
@@ -545,6 +561,27 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     @r.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(body: _Body, request: Request) -> dict:
         return await _save(body.model_dump(), user(request), "sampler_weights")
+
+    @r.post("/save_weights_external")
+    async def save_weights_external(body: _Body, request: Request) -> dict:
+        """Refused with where to go instead (a bare 404 told the cookbook's
+        ``weights.download`` nothing), in its place in the run's order."""
+        user_id, b = user(request), body.model_dump()
+        model_id = need(b, "model_id")
+        key = f"tinker:{model_id}:{b.get('seq_id')}"
+        refusal = ServiceError("validation", EXTERNAL_WEIGHTS_REFUSAL)
+        try:
+            run_id = await door.core_id(user_id, model_id, "model")
+            seq = seq_of(b.get("seq_id"))
+        except ServiceError as exc:
+            return {"request_id": door.local_future(user_id, door._raise(exc), key), "model_id": model_id}
+        return {"request_id": door.submit(user_id, "save_weights", {"model_id": run_id, "seq": seq}, key, refusal),
+                "model_id": model_id}
+
+    @r.get("/training_runs/{training_run_id}/checkpoints/{kind}/{name}/external_weights_urls")
+    def external_weights_urls(request: Request) -> dict:
+        user(request)
+        raise ServiceError("validation", EXTERNAL_WEIGHTS_REFUSAL)
 
     async def _save(b: dict, user_id: str, kind: str) -> dict:
         model_id, seq_id = need(b, "model_id"), b.get("seq_id")

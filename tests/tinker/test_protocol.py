@@ -170,6 +170,24 @@ def test_publishing_a_checkpoint_is_refused_with_a_reason(alice):
     run_id, checkpoint = saved.json()["path"].removeprefix("tinker://").split("/", 1)
     reply = alice.post(f"training_runs/{run_id}/checkpoints/{checkpoint}/publish")
     assert reply.status_code == 400 and "not supported by TRIO" in reply.text
+    # a route's own error names the path as the tinker client wrote it
+    missing = httpx.delete(alice.url + f"training_runs/{run_id}/checkpoints/weights/nope",
+                           headers={"X-API-Key": alice.key}, timeout=60)
+    assert missing.status_code == 404 and f"'tinker://{run_id}/weights/nope'" in missing.text
+
+
+def test_external_weights_are_refused_with_where_to_go_in_their_place(alice):
+    """save_weights_external (the cookbook's ``weights.download``) fails its future naming
+    what to use instead, and keeps its seq: the next call runs at once."""
+    _, model_id = alice.new_model()
+    external = alice.post("save_weights_external", {"model_id": model_id, "path": "ext", "seq_id": 1,
+                                                     "type": "save_weights_external"}).json()
+    step = alice.optim_step(model_id, 2).json()
+    failed = alice.result(external["request_id"]).json()
+    assert failed["category"] == "user" and "download_checkpoint_archive" in failed["error"]
+    assert alice.result(step["request_id"]).status_code == 200
+    urls = alice.get(f"training_runs/{model_id}/checkpoints/external_weights/ext/external_weights_urls")
+    assert urls.status_code == 400 and "save_weights_external" in urls.text
 
 
 def test_zero_samples_are_refused_not_taken_as_one(alice):
@@ -239,7 +257,7 @@ def test_a_refused_call_keeps_its_place_in_its_run(alice):
                                           "path": "tinker://run-0/weights/nope", "optimizer": False}).json()
     step = alice.optim_step(model_id, 3).json()
     assert "AdamW" in alice.result(no_adam["request_id"]).json()["error"]
-    assert "not found" in alice.result(missing["request_id"]).json()["error"]
+    assert "'tinker://run-0/weights/nope' not found" in alice.result(missing["request_id"]).json()["error"]  # as written
     assert alice.result(step["request_id"]).status_code == 200
     assert alice.step(model_id) == 0  # no gradients yet
 
