@@ -197,6 +197,17 @@ def test_zero_samples_are_refused_not_taken_as_one(alice):
     assert failed["category"] == "user" and "num_samples" in failed["error"]
 
 
+def test_stability_records_are_refused_at_the_first_sample(alice):
+    """The cookbook asks for StableReinforce's records when training with stable_reinforce,
+    a loss TRIO lacks: its first sample says so, rather than a training step after a batch."""
+    session, _ = alice.new_model()
+    body = {"sampling_session_id": alice.new_sampling_session(session), "seq_id": 0, "num_samples": 1,
+            "prompt": {"chunks": [{"tokens": TOKENS, "type": "encoded_text"}]}, "record_stability_info": True,
+            "sampling_params": {"max_tokens": 1}, "type": "sample"}
+    failed = alice.result(alice.post("asample", body).json()["request_id"]).json()
+    assert failed["category"] == "user" and "stable_reinforce" in failed["error"]
+
+
 def test_a_resent_seq_runs_once(alice):
     """The SDK's outer retry resends a seq under a new idempotency key: same request, run once."""
     _, model_id = alice.new_model()
