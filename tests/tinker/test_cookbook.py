@@ -62,6 +62,17 @@ def test_math_rl_recipe_cli(tinker_env, tmp_path):
     assert {"weights/final", "sampler_weights/final"} <= _checkpoint_ids(run_id)
 
 
+def test_math_rl_with_its_default_loss_fails_at_its_first_sample(tinker_env, tmp_path):
+    """The recipe's default loss, stable_reinforce, is one TRIO lacks: the run stops at its
+    first sample, naming it, instead of after sampling a whole batch."""
+    done = _run(["-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={MODEL}",
+                 "renderer_name=role_colon", "lora_rank=8", "group_size=2", "groups_per_batch=1", "max_tokens=5",
+                 "max_steps=1", "eval_every=0", "save_every=0", f"base_url={tinker_env['TINKER_BASE_URL']}",
+                 f"log_path={tmp_path / 'rl'}", "behavior_if_log_dir_exists=delete"], tinker_env, tmp_path)
+    assert done.returncode != 0
+    assert "record_stability_info" in done.stderr and "importance_sampling" in done.stderr, done.stderr[-4000:]
+
+
 def test_supervised_recipe(tinker_env, tmp_path):
     log_path = tmp_path / "sl"
     done = _run([str(Path(__file__).with_name("sl_run.py")), str(log_path), tinker_env["TINKER_BASE_URL"]],
