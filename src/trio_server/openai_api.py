@@ -230,7 +230,7 @@ class OpenAIDoor:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         new = w.max_tokens(body.max_completion_tokens or body.max_tokens, param, len(prompt),
                            await self.context(served.base_model), DEFAULT_CHAT_MAX_TOKENS, "messages")
-        params = w.sampling_params(body, new, codec.chat_stops(body.stops))
+        params = w.sampling_params(body, new, codec.chat_stops(body.stops, bool(body.ignore_eos)))
         seqs = await self.sample(user_id, body.model, served, prompt, body.choices, params)
         choices = await asyncio.to_thread(lambda: [w.choice_of(codec, s, body.stops) for s in seqs])
         head = w.Head("chatcmpl-" + secrets.token_hex(12), int(time.time()), body.model)

@@ -75,10 +75,15 @@ class Common(_Body):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # vLLM's sampling extras (the openai client sends them in ``extra_body``)
+    top_k: int | None = Field(None, ge=-1)  # None, -1 or 0: off (vLLM's meanings)
+    ignore_eos: bool | None = False
     # implemented only at their neutral values (see NEUTRAL)
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+    repetition_penalty: Any = None  # vLLM's
+    min_tokens: Any = None  # vLLM's
 
     @property
     def choices(self) -> int:
@@ -121,6 +126,8 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "presence_penalty": (lambda v: v in (None, 0), "penalties are not implemented; give 0 or leave it out"),
     "frequency_penalty": (lambda v: v in (None, 0), "penalties are not implemented; give 0 or leave it out"),
     "logit_bias": (lambda v: not v, "not implemented; leave it out"),
+    "repetition_penalty": (lambda v: v in (None, 1), "penalties are not implemented; give 1 or leave it out"),
+    "min_tokens": (lambda v: v in (None, 0), "a minimum length is not implemented; give 0 or leave it out"),
     "tools": (lambda v: not v, "tool calling is not implemented; leave it out"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not implemented; leave it out"),
     "functions": (lambda v: not v, "function calling is not implemented; leave it out"),
@@ -223,8 +230,9 @@ def sampling_params(body: Common, max_new: int, stops: list[str]) -> dict:
     top_p = 1.0 if body.top_p is None else body.top_p
     if top_p == 0:  # OpenAI allows it: the smallest set of tokens holding mass 0 is the likeliest one
         temperature, top_p = 0.0, 1.0
-    return {"max_tokens": max_new, "temperature": temperature, "top_p": top_p, "seed": body.seed,
-            "stop": stops or None}
+    top_k = -1 if body.top_k is None else body.top_k  # 0 is off in the sampler too
+    return {"max_tokens": max_new, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": body.seed,
+            "stop": stops or None, "ignore_eos": bool(body.ignore_eos)}
 
 
 # -- the tokenizer's side ----------------------------------------------------------------
@@ -247,9 +255,10 @@ class Codec:
         return cls(tokenizer, frozenset(tokenizer.all_special_ids), extra,
                    type(decoder).__name__ == "ByteLevel")
 
-    def chat_stops(self, stops: list[str]) -> list[str]:
-        """The sampler stops at EOS; a template whose turn ends otherwise needs that token too."""
-        return [*stops, self.end_of_turn] if self.end_of_turn else stops
+    def chat_stops(self, stops: list[str], ignore_eos: bool = False) -> list[str]:
+        """The sampler stops at EOS; a template whose turn ends otherwise needs that token
+        too, unless ``ignore_eos`` runs through the turn's end as well."""
+        return [*stops, self.end_of_turn] if self.end_of_turn and not ignore_eos else stops
 
 
 def end_of_turn(tokenizer: Any) -> int | None:

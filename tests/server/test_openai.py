@@ -276,6 +276,26 @@ def test_a_seed_reproduces_a_sample(alice):
     assert text(7) != text(8)
 
 
+def test_vllm_extras_top_k_and_ignore_eos_are_taken(alice):
+    """vLLM's extras, as the openai client sends them (extra_body): top_k 1 samples the
+    likeliest token at any temperature; top_k 0 and -1 are off; ignore_eos reaches the
+    sampler, and a chat then drops the template's end-of-turn stop as well."""
+    greedy = alice.client.completions.create(model=TINY, prompt="a", max_tokens=8, temperature=0)
+    for seed in (1, 2):
+        top1 = alice.client.completions.create(model=TINY, prompt="a", max_tokens=8, temperature=1.5, seed=seed,
+                                               extra_body={"top_k": 1})
+        assert top1.choices[0].text == greedy.choices[0].text
+    off = [alice.client.completions.create(model=TINY, prompt="a", max_tokens=8, temperature=1.5, seed=4,
+                                           extra_body={"top_k": k}).choices[0].text for k in (0, -1, None)]
+    assert off[0] == off[1] == off[2] != greedy.choices[0].text
+
+    body = w.parse(w.ChatBody, {"model": TINY, "messages": HELLO, "top_k": 5, "ignore_eos": True})
+    params = w.sampling_params(body, 4, ["x"])
+    assert (params["top_k"], params["ignore_eos"], params["stop"]) == (5, True, ["x"])
+    plain = w.sampling_params(w.parse(w.ChatBody, {"model": TINY, "messages": HELLO}), 4, [])
+    assert (plain["top_k"], plain["ignore_eos"], plain["stop"]) == (-1, False, None)
+
+
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_logprobs_are_the_trainers(alice, base, tok, endpoint):
     """Each returned logprob equals compute_logprobs (a plain forward pass) of the same tokens."""
@@ -389,6 +409,9 @@ def test_no_auth_needs_no_key(tmp_path):
 
 CHAT_REFUSED = [
     ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"min_tokens": 4}, "min_tokens"),
+    ({"top_k": -2}, "top_k"),
     ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"logit_bias": {"17": 5}}, "logit_bias"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
@@ -473,7 +496,8 @@ def test_an_unimplemented_route_is_404_in_openais_shape(alice, call):
 def test_neutral_values_and_unknown_fields_are_accepted(alice):
     neutral = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [], "tool_choice": "none",
                "functions": [], "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
-               "response_format": {"type": "text"}, "top_logprobs": 0, "user": "u-1", "some_future_field": {"x": 1}}
+               "response_format": {"type": "text"}, "top_logprobs": 0, "user": "u-1", "some_future_field": {"x": 1},
+               "repetition_penalty": 1, "min_tokens": 0}
     reply = alice.client.chat.completions.create(model=TINY, messages=HELLO, max_tokens=2, extra_body=neutral)
     assert reply.usage.completion_tokens == 2
     reply = alice.client.completions.create(model=TINY, prompt="a", max_tokens=2, echo=False, suffix=None, best_of=1,
@@ -550,6 +574,7 @@ def test_a_turn_not_ending_with_eos_stops_at_its_own_token(server, tmp_path):
     other.eos_token = "<|endoftext|>"  # as in Qwen's base models: EOS is not the end of a turn
     codec = w.Codec.of(other)
     assert codec.chat_stops(["x"]) == ["x", "<|im_end|>"]
+    assert codec.chat_stops(["x"], ignore_eos=True) == ["x"]  # vLLM's ignore_eos: through the turn's end
     end = other.convert_tokens_to_ids("<|im_end|>")
     seq = {"tokens": [*other.encode("hi there", add_special_tokens=False), end], "logprobs": [-1.0] * 3,
            "text": "", "stop_reason": "stop"}
