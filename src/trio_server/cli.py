@@ -56,6 +56,14 @@ def count(value: str) -> int:
     return _at_least(value, 0)
 
 
+def port(value: str) -> int:
+    """argparse type for a TCP port, 0 (any free one) to 65535."""
+    number = count(value)
+    if number > 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {value!r}: expected 0 (any free port) to 65535")
+    return number
+
+
 def _at_least(value: str, low: int) -> int:
     try:
         number = int(value)
@@ -312,7 +320,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add ``serve``, ``keys`` and ``tokenizers`` to the ``trio`` parser's subcommands ``sub``."""
     p = sub.add_parser("serve", help="run the HTTP service")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument("--data-dir", help="checkpoints and database (default $TRIO_HOME or ~/.cache/trio)")
     p.add_argument("--db", help="SQLAlchemy URL, e.g. postgresql://user@host/db (default SQLite in the data dir)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=os.environ.get("TRIO_DTYPE"))

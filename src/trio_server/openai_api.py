@@ -137,7 +137,11 @@ class OpenAIDoor:
         if key in self.samplers:
             self.samplers.move_to_end(key)
             return self.samplers[key]
-        served = await self._once(("sampler", *key), lambda: self._open(user_id, key[1]))
+        try:
+            served = await self._once(("sampler", *key), lambda: self._open(user_id, key[1]))
+        except w.OpenAIError as exc:  # name the model as this client wrote it (tinker://, not trio://)
+            exc.message = exc.message.replace(key[1], model)
+            raise
         self.samplers[key] = served
         while len(self.samplers) > MAX_SAMPLERS:
             self.samplers.popitem(last=False)

@@ -44,13 +44,15 @@ def test_max_pass_tokens_flag_and_zero_for_never_split():
     assert not limits().slice_alone and limits("--slice-alone").slice_alone
     assert limits().max_resident_runs == Limits().max_resident_runs == 64
     assert limits("--max-resident-runs", "5").max_resident_runs == 5
+    assert [build_parser().parse_args(["serve", "--port", p]).port for p in ("0", "65535")] == [0, 65535]
 
 
 @pytest.mark.parametrize("argv", [["--device", "gpu"], ["--device", "cuda:x"], ["--engine", "spark"],
                                   ["--ray-place", "no-resource"], ["--max-resident-runs", "0"],
                                   ["--max-pending-per-user", "0"], ["--max-pending-total", "-3"],
                                   ["--max-batch-tokens", "0"], ["--max-pass-tokens", "-1"],
-                                  ["--max-runs-per-user", "x"], ["--max-checkpoint-bytes-per-user", "0"]])
+                                  ["--max-runs-per-user", "x"], ["--max-checkpoint-bytes-per-user", "0"],
+                                  ["--port", "-1"], ["--port", "70000"]])
 def test_bad_serve_flags_name_the_value(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])

@@ -341,6 +341,7 @@ def test_an_unknown_model_is_404_model_not_found(alice, model):
         alice.client.chat.completions.create(model=model, messages=HELLO, max_tokens=2)
     assert (caught.value.type, caught.value.code, caught.value.param) == ("invalid_request_error", "model_not_found",
                                                                           "model")
+    assert repr(model) in caught.value.message  # as the client wrote it
 
 
 def test_a_training_checkpoint_is_not_a_model(alice):
