@@ -151,8 +151,9 @@ class ModelHost:
         self.family = family_of(self.model.config)  # LoRA targets and head, per model family
         check_head(self.family, self.model.config)
         check_plain_head(self.family, self.model)
-        self.in_text = text_forward_filter(self.model)  # a vision tower is neither adapted nor loaded
-        self.routing = lora.install(self.model, self.family.all_targets(), self.family.siblings, within=self.in_text)
+        in_text = text_forward_filter(self.model)  # a vision tower is neither adapted nor loaded
+        self.outside_text = frozenset(name for name, _ in self.model.named_modules() if not in_text(name))
+        self.routing = lora.install(self.model, self.family.all_targets(), self.family.siblings, within=in_text)
         self.trunk = self.model.get_decoder()
         # the one place logits are made, trainer and sampler alike: lm_head + family transform
         self.unembed = Head(self.model.get_output_embeddings(), self.family.transform(self.model.config))
@@ -644,21 +645,25 @@ class ModelHost:
     def load_sampler_weights(self, adapter_id: str, folder: str) -> None:
         """Load a PEFT adapter folder (ours or any rank-r LoRA on the same targets)."""
         config, weights = checkpoint.load_peft_adapter(folder)
-        weights = self._text_only(weights)
+        text = self._text_only(weights)
+        if weights and not text:
+            raise InvalidInputError(f"path: the adapter at {folder} adapts none of this model's text layers, only "
+                                    f"layers a text forward never runs ({next(iter(weights))!r}, ...)", field="path")
         # a PEFT adapter on some of the layers loads: the others keep B = 0 (no change)
-        _check_saved(weights, self._saved_shapes(config), "weights", complete=False)
+        _check_saved(text, self._saved_shapes(config), "weights", complete=False)
         fault = checkpoint.head_copy_fault(folder, cast(torch.Tensor, self.unembed.lm_head.weight))
         if fault:
             raise InvalidInputError(f"path: {fault}", field="path")
         with self.lock:
-            self._replace(adapter_id, config, weights)
+            self._replace(adapter_id, config, text)
 
     def _text_only(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``tensors`` less those of layers a text forward never runs: peft, given a
-        multimodal model and target names, adapts its vision tower's ``q_proj`` too (and
-        TRIO's own checkpoints of such a model held them until it left the tower out).
-        Only text runs here, so those tensors take no part and are dropped."""
-        return {name: t for name, t in tensors.items() if self.in_text(name.rsplit(".", 1)[0])}
+        """``tensors`` less those of this model's layers that a text forward never runs:
+        peft, given a multimodal model and target names, adapts its vision tower's
+        ``q_proj`` too (and TRIO's own checkpoints of such a model held them until it left
+        the tower out); only text runs here, so those take no part. A name that is no
+        layer of this model stays, for ``_check_saved`` to refuse."""
+        return {name: t for name, t in tensors.items() if name.rsplit(".", 1)[0] not in self.outside_text}
 
     def _saved_shapes(self, config: lora.LoraConfig) -> dict[str, torch.Size]:
         """The tensors (names and shapes) of an adapter of ``config`` on this model."""

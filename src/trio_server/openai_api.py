@@ -139,9 +139,10 @@ class OpenAIDoor:
             return self.samplers[key]
         try:
             served = await self._once(("sampler", *key), lambda: self._open(user_id, key[1]))
-        except w.OpenAIError as exc:  # name the model as this client wrote it (tinker://, not trio://)
-            exc.message = exc.message.replace(key[1], model)
-            raise
+        except w.OpenAIError as exc:  # name the model as this client wrote it (tinker://, not trio://);
+            # a copy: concurrent requests for the same sampler share the exception
+            raise w.OpenAIError(exc.status, exc.message.replace(key[1], model), exc.type, exc.param, exc.code,
+                                exc.headers) from None
         self.samplers[key] = served
         while len(self.samplers) > MAX_SAMPLERS:
             self.samplers.popitem(last=False)

@@ -82,8 +82,6 @@ class Common(_Body):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
-    repetition_penalty: Any = None  # vLLM's
-    min_tokens: Any = None  # vLLM's
 
     @property
     def choices(self) -> int:
@@ -126,8 +124,7 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "presence_penalty": (lambda v: v in (None, 0), "penalties are not implemented; give 0 or leave it out"),
     "frequency_penalty": (lambda v: v in (None, 0), "penalties are not implemented; give 0 or leave it out"),
     "logit_bias": (lambda v: not v, "not implemented; leave it out"),
-    "repetition_penalty": (lambda v: v in (None, 1), "penalties are not implemented; give 1 or leave it out"),
-    "min_tokens": (lambda v: v in (None, 0), "a minimum length is not implemented; give 0 or leave it out"),
+
     "tools": (lambda v: not v, "tool calling is not implemented; leave it out"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not implemented; leave it out"),
     "functions": (lambda v: not v, "function calling is not implemented; leave it out"),
@@ -139,6 +136,24 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "echo": (lambda v: not v, "echo is not implemented; leave it out"),
     "suffix": (lambda v: not v, "suffix (insertion) is not implemented; leave it out"),
     "top_logprobs": (lambda v: not v, NOT_OURS),
+}
+
+
+# vLLM's sampling extras TRIO does not implement (``top_k`` and ``ignore_eos`` it does):
+# checked on the raw body, as unknown fields are otherwise ignored, so that a client asking
+# for JSON-constrained output or a penalty gets a 400 rather than free text
+_LEAVE_OUT = "not implemented; leave it out"
+VLLM_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "repetition_penalty": (lambda v: v in (None, 1), "penalties are not implemented; give 1 or leave it out"),
+    "length_penalty": (lambda v: v in (None, 1), "penalties are not implemented; give 1 or leave it out"),
+    "min_tokens": (lambda v: v in (None, 0), "a minimum length is not implemented; give 0 or leave it out"),
+    "min_p": (lambda v: v in (None, 0), "min-p sampling is not implemented; give 0 or leave it out"),
+    "use_beam_search": (lambda v: not v, "beam search is not implemented; leave it out"),
+    "include_stop_str_in_output": (lambda v: not v, "the stop sequence is always cut off; leave it out"),
+    "skip_special_tokens": (lambda v: v in (None, True), "special tokens are always left out of the text"),
+    **{name: (lambda v: not v, _LEAVE_OUT) for name in (
+        "stop_token_ids", "allowed_token_ids", "bad_words", "logits_processors", "structured_outputs",
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")},
 }
 
 
@@ -155,6 +170,9 @@ def parse(model: type[Common], data: Any) -> Any:
         param = _param(error["loc"])
         raise bad_param(param, f"{param}: {error['msg']}, got {_short(error.get('input'))}") from None
     _check_neutral(body)
+    for name, (neutral, why) in VLLM_NEUTRAL.items():
+        if not neutral(data.get(name)):
+            raise bad_param(name, f"{name}: {why}; got {_short(data[name])}")
     return body
 
 

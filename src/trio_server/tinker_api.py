@@ -673,7 +673,8 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
             if b.get("record_stability_info"):  # refused at the first sample, not after a batch of them
                 raise ServiceError("validation", "record_stability_info: TRIO keeps no StableReinforce records "
                                    "(it has no stable_reinforce loss); sample without them and train with "
-                                   "importance_sampling, ppo, cispo or gspo (the cookbook: loss_fn=...)")
+                                   "importance_sampling, ppo or cispo (the cookbook: loss_fn=...), or gspo where "
+                                   "each datum has a sequence_ratio_mask (as the cookbook's rl_loop sends)")
             if b.get("target_prompt_logprobs") is not None or b.get("prompt_logprobs_last_n") is not None:
                 raise ServiceError("validation", "target_prompt_logprobs / prompt_logprobs_last_n: not supported by TRIO")
             sampler_id = await door.core_id(user_id, ssid, "sampling session")

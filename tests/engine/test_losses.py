@@ -144,6 +144,8 @@ def test_gspo_gradient_is_each_tokens_own_times_the_sequence_ratio(cfg):
     assert any(clipped) == (cfg != {})
     torch.testing.assert_close(grad, expected, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(metrics["ratio"], torch.full((N,), GSPO_S, dtype=torch.float64))
+    assert metrics["clip_high_fraction"].tolist() == [float(c and a > 0) for c, a in zip(clipped, A.tolist())]
+    assert metrics["clip_low_fraction"].tolist() == [0.0] * N  # s is above both lower bounds
 
 
 def test_cispo_gradient_is_detached_clipped_weight():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trio_engine import ForwardJob, LoraConfig, ModelHost
+from trio_engine import ForwardJob, InvalidInputError, LoraConfig, ModelHost
 from trio_engine.catalog import Catalog, load_tokenizer
 from trio_engine.lora import LoRALinear
 
@@ -99,6 +99,25 @@ def test_a_peft_adapter_with_vision_layers_loads_its_text_part(host, folder, tmp
     ours = torch.tensor(host.forward([ForwardJob("peft", [example])])[0].logprobs[0])
     torch.testing.assert_close(ours, _logprobs(model.eval(), example), atol=1e-5, rtol=1e-5)
     host.delete_adapter("peft")
+
+
+def test_an_adapter_of_other_names_or_of_the_tower_alone_is_refused(host, tmp_path):
+    """Only this model's layers outside the text forward are dropped: names of no layer here
+    (the text-only Gemma 3's ``model.layers``) are refused as before, and so is an adapter
+    left with nothing once its tower tensors are dropped."""
+    from trio_engine.checkpoint import save_peft_adapter
+
+    def folder_of(name: str, rank: int = 4):
+        path = tmp_path / name.replace(".", "-")
+        save_peft_adapter(path, {f"{name}.lora_A": torch.ones(rank, 32), f"{name}.lora_B": torch.ones(32, rank)},
+                          LoraConfig(rank=rank), "test/gemma3-multimodal")
+        return str(path)
+
+    with pytest.raises(InvalidInputError, match="is no tensor of this model's adapter"):
+        host.load_sampler_weights("other", folder_of("model.layers.0.self_attn.q_proj"))
+    with pytest.raises(InvalidInputError, match="adapts none of this model's text layers"):
+        host.load_sampler_weights("tower", folder_of(VISION + "encoder.layers.0.self_attn.q_proj"))
+    assert not host.has_adapter("other") and not host.has_adapter("tower")
 
 
 def test_a_training_state_with_vision_tensors_loads_its_text_part(host, tmp_path):

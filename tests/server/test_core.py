@@ -110,10 +110,10 @@ def test_old_futures_leave_memory_but_stay_retrievable(tmp_path, monkeypatch):
     first = run_sync(transport.submit("get_info", {"model_id": tc.model_id}, "key-1"))
     want = run_sync(transport.retrieve(first, 10))
     datum = trio.Datum(model_input=trio.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3]})
-    body = {"model_id": tc.model_id, "seq": 0, "data": [datum.model_dump()], "loss_fn": "gspo"}
+    body = {"model_id": tc.model_id, "seq": 0, "data": [datum.model_dump()], "loss_fn": "stable_reinforce"}
     failing = run_sync(transport.submit("forward", body, None))
     failed = run_sync(transport.retrieve(failing, 10))
-    assert failed.status == "failed" and failed.error.category == "validation" and "gspo" in failed.error.message
+    assert failed.status == "failed" and failed.error.category == "validation" and "stable_reinforce" in failed.error.message
     for _ in range(4):
         tc.get_info()
     assert first not in core.futures and failing not in core.futures  # forgotten in memory

@@ -412,6 +412,11 @@ CHAT_REFUSED = [
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ({"min_tokens": 4}, "min_tokens"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"stop_token_ids": [2]}, "stop_token_ids"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"top_k": -2}, "top_k"),
     ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"logit_bias": {"17": 5}}, "logit_bias"),
@@ -498,7 +503,8 @@ def test_neutral_values_and_unknown_fields_are_accepted(alice):
     neutral = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "tools": [], "tool_choice": "none",
                "functions": [], "function_call": "none", "modalities": ["text"], "audio": None, "prediction": None,
                "response_format": {"type": "text"}, "top_logprobs": 0, "user": "u-1", "some_future_field": {"x": 1},
-               "repetition_penalty": 1, "min_tokens": 0}
+               "repetition_penalty": 1, "min_tokens": 0, "min_p": 0, "stop_token_ids": [], "guided_json": None,
+               "skip_special_tokens": True, "use_beam_search": False}
     reply = alice.client.chat.completions.create(model=TINY, messages=HELLO, max_tokens=2, extra_body=neutral)
     assert reply.usage.completion_tokens == 2
     reply = alice.client.completions.create(model=TINY, prompt="a", max_tokens=2, echo=False, suffix=None, best_of=1,

@@ -180,8 +180,9 @@ def test_external_weights_are_refused_with_where_to_go_in_their_place(alice):
     """save_weights_external (the cookbook's ``weights.download``) fails its future naming
     what to use instead, and keeps its seq: the next call runs at once."""
     _, model_id = alice.new_model()
-    external = alice.post("save_weights_external", {"model_id": model_id, "path": "ext", "seq_id": 1,
-                                                     "type": "save_weights_external"}).json()
+    body = {"model_id": model_id, "path": "ext", "seq_id": 1, "type": "save_weights_external"}
+    external = alice.post("save_weights_external", body).json()
+    assert alice.post("save_weights_external", body).json()["request_id"] == external["request_id"]  # a resend
     step = alice.optim_step(model_id, 2).json()
     failed = alice.result(external["request_id"]).json()
     assert failed["category"] == "user" and "download_checkpoint_archive" in failed["error"]
