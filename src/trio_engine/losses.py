@@ -43,10 +43,15 @@ def ppo(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
     with ``low = clip_low_threshold`` (0.8) and ``high = clip_high_threshold`` (1.2).
     Metrics: the fraction of tokens clipped below and above.
     """
+    return _clipped_surrogate(torch.exp(logp - inputs["logprobs"]), inputs, config)
+
+
+def _clipped_surrogate(ratio: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
+    """PPO's ``-w·min(r·A, clip(r, low, high)·A)`` for importance ratios ``ratio`` (with
+    their gradient), and its clip fractions."""
     low = float(config.get("clip_low_threshold", 0.8))
     high = float(config.get("clip_high_threshold", 1.2))
     adv = inputs["advantages"]
-    ratio = torch.exp(logp - inputs["logprobs"])
     surrogate = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
     metrics = {
         "clip_low_fraction": ((ratio < low) & (adv < 0)).float(),
@@ -84,19 +89,9 @@ def gspo(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
     drops whole sequences; per-token advantages still work. Metrics as PPO's (the ratio
     is s on every token).
     """
-    low = float(config.get("clip_low_threshold", 0.8))
-    high = float(config.get("clip_high_threshold", 1.2))
-    adv = inputs["advantages"]
     in_ratio = inputs["sequence_ratio_mask"] != 0  # at least one token: validated by the host
     log_ratio = (logp.detach() - inputs["logprobs"])[in_ratio].mean()
-    ratio = torch.exp(log_ratio + logp - logp.detach())
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
-    metrics = {
-        "clip_low_fraction": ((ratio < low) & (adv < 0)).float(),
-        "clip_high_fraction": ((ratio > high) & (adv > 0)).float(),
-        "ratio": ratio.detach(),
-    }
-    return -inputs["weights"] * surrogate, metrics
+    return _clipped_surrogate(torch.exp(log_ratio + logp - logp.detach()), inputs, config)
 
 
 def dro(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
