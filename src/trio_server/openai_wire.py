@@ -124,7 +124,6 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "presence_penalty": (lambda v: v in (None, 0), "penalties are not implemented; give 0 or leave it out"),
     "frequency_penalty": (lambda v: v in (None, 0), "penalties are not implemented; give 0 or leave it out"),
     "logit_bias": (lambda v: not v, "not implemented; leave it out"),
-
     "tools": (lambda v: not v, "tool calling is not implemented; leave it out"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not implemented; leave it out"),
     "functions": (lambda v: not v, "function calling is not implemented; leave it out"),
@@ -169,10 +168,7 @@ def parse(model: type[Common], data: Any) -> Any:
         error = exc.errors()[0]
         param = _param(error["loc"])
         raise bad_param(param, f"{param}: {error['msg']}, got {_short(error.get('input'))}") from None
-    _check_neutral(body)
-    for name, (neutral, why) in VLLM_NEUTRAL.items():
-        if not neutral(data.get(name)):
-            raise bad_param(name, f"{name}: {why}; got {_short(data[name])}")
+    _check_neutral(body, data)
     return body
 
 
@@ -209,10 +205,10 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _check_neutral(body: Common) -> None:
-    for name, (neutral, why) in NEUTRAL.items():
-        if name in type(body).model_fields and not neutral(getattr(body, name)):
-            raise bad_param(name, f"{name}: {why}; got {_short(getattr(body, name))}")
+def _check_neutral(body: Common, data: dict) -> None:
+    """Refuse a parameter TRIO lacks unless it has its neutral value: OpenAI's from the
+    parsed ``body``, vLLM's from the raw ``data`` (the body ignores them)."""
+    _refuse_unless_neutral(NEUTRAL, {name: getattr(body, name) for name in NEUTRAL if name in type(body).model_fields})
     if isinstance(body, CompletionBody):
         if body.logprobs:
             raise bad_param("logprobs", f"logprobs: {NOT_OURS} (logprobs=0 gives the sampled tokens' own)")
@@ -220,6 +216,14 @@ def _check_neutral(body: Common) -> None:
             raise bad_param("best_of", f"best_of: only best_of == n is implemented; got {body.best_of}")
     if any(s == "" for s in body.stops):
         raise bad_param("stop", "stop: an empty string would stop at once; give non-empty strings")
+    _refuse_unless_neutral(VLLM_NEUTRAL, {name: data.get(name) for name in VLLM_NEUTRAL})
+
+
+def _refuse_unless_neutral(rules: dict[str, tuple[Callable[[Any], bool], str]], given: dict[str, Any]) -> None:
+    for name, value in given.items():
+        neutral, why = rules[name]
+        if not neutral(value):
+            raise bad_param(name, f"{name}: {why}; got {_short(value)}")
 
 
 def check_limits(body: Common, max_samples: int) -> None:
