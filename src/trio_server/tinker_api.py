@@ -235,6 +235,17 @@ class TinkerDoor:
                 return existing  # refused but registered (over a limit): its future says why
             return self.local_future(user_id, self._raise(exc))
 
+    async def in_run_order(self, user_id: str, model_id: str, seq_id: Any) -> tuple[str, dict, dict | None]:
+        """A training client's call: its idempotency key, the core request's run and seq,
+        and, when either is unknown, the reply to give instead (a future failing with why).
+        A call whose run and seq are known takes its place in the run's order even when
+        refused (``submit``'s ``refusal``), so the run's next call does not wait for it."""
+        key = f"tinker:{model_id}:{seq_id}"
+        try:
+            return key, {"model_id": await self.core_id(user_id, model_id, "model"), "seq": seq_of(seq_id)}, None
+        except ServiceError as exc:
+            return key, {}, {"request_id": self.local_future(user_id, self._raise(exc), key), "model_id": model_id}
+
     @staticmethod
     async def _raise(exc: ServiceError) -> Reply:
         raise exc
@@ -514,19 +525,11 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
             msg.ParseFromString(await request.body())
         except Exception:
             raise ServiceError("validation", "forward_backward: the body is not a tinker ForwardBackwardRequest protobuf") from None
-        model_id, seq_id = msg.model_id, msg.seq_id
-        key = f"tinker:{model_id}:{seq_id}"
-
-        async def refuse(exc: ServiceError) -> dict:
-            return {"request_id": door.local_future(user_id, door._raise(exc), key), "model_id": model_id}
-
-        try:
-            run_id = await door.core_id(user_id, model_id, "model")
-            seq = seq_of(seq_id)
-        except ServiceError as exc:
-            return await refuse(exc)
+        model_id = msg.model_id
+        key, req, refused = await door.in_run_order(user_id, model_id, msg.seq_id)
+        if refused:
+            return refused
         op = "forward" if msg.forward_only else "forward_backward"
-        req: dict[str, Any] = {"model_id": run_id, "seq": seq}
         try:
             req.update(data=decode_datums(msg), loss_fn=msg.loss_fn or "cross_entropy", loss_fn_config=loss_config(msg))
         except ServiceError as exc:  # the run and seq are known: it still takes its place
@@ -536,21 +539,16 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
     @r.post("/optim_step")
     async def optim_step(body: _Body, request: Request) -> dict:
         user_id, b = user(request), body.model_dump()
-        key = f"tinker:{need(b, 'model_id')}:{b.get('seq_id')}"
-        params = b.get("adam_params")
-        try:
-            run_id = await door.core_id(user_id, need(b, "model_id"), "model")
-            seq = seq_of(b.get("seq_id"))
-        except ServiceError as exc:
-            return {"request_id": door.local_future(user_id, door._raise(exc), key), "model_id": need(b, "model_id")}
-        req: dict[str, Any] = {"model_id": run_id, "seq": seq}
+        model_id, params = need(b, "model_id"), b.get("adam_params")
+        key, req, refused = await door.in_run_order(user_id, model_id, b.get("seq_id"))
+        if refused:
+            return refused
         if params is None:  # refused, but in its place in the run's order
             refusal = ServiceError("validation", "optim_step: TRIO supports AdamW only (adam_params); "
                                    f"got {sorted(k for k in b if k.endswith('params'))}")
-            return {"request_id": door.submit(user_id, "optim_step", req, key, refusal), "model_id": need(b, "model_id")}
+            return {"request_id": door.submit(user_id, "optim_step", req, key, refusal), "model_id": model_id}
         req["adam_params"] = {k: v for k, v in params.items() if k != "type"}
-        rid = door.submit(user_id, "optim_step", req, key)
-        return {"request_id": rid, "model_id": need(b, "model_id")}
+        return {"request_id": door.submit(user_id, "optim_step", req, key), "model_id": model_id}
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -568,15 +566,11 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         ``weights.download`` nothing), in its place in the run's order."""
         user_id, b = user(request), body.model_dump()
         model_id = need(b, "model_id")
-        key = f"tinker:{model_id}:{b.get('seq_id')}"
+        key, req, refused = await door.in_run_order(user_id, model_id, b.get("seq_id"))
+        if refused:
+            return refused
         refusal = ServiceError("validation", EXTERNAL_WEIGHTS_REFUSAL)
-        try:
-            run_id = await door.core_id(user_id, model_id, "model")
-            seq = seq_of(b.get("seq_id"))
-        except ServiceError as exc:
-            return {"request_id": door.local_future(user_id, door._raise(exc), key), "model_id": model_id}
-        return {"request_id": door.submit(user_id, "save_weights", {"model_id": run_id, "seq": seq}, key, refusal),
-                "model_id": model_id}
+        return {"request_id": door.submit(user_id, "save_weights", req, key, refusal), "model_id": model_id}
 
     @r.get("/training_runs/{training_run_id}/checkpoints/{kind}/{name}/external_weights_urls")
     def external_weights_urls(request: Request) -> dict:
@@ -584,20 +578,17 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         raise ServiceError("validation", EXTERNAL_WEIGHTS_REFUSAL)
 
     async def _save(b: dict, user_id: str, kind: str) -> dict:
-        model_id, seq_id = need(b, "model_id"), b.get("seq_id")
-        key = f"tinker:{model_id}:{seq_id}"
-        try:
-            run_id = await door.core_id(user_id, model_id, "model")
-            seq = seq_of(seq_id)
-        except ServiceError as exc:
-            return {"request_id": door.local_future(user_id, door._raise(exc), key), "model_id": model_id}
+        model_id = need(b, "model_id")
+        key, req, refused = await door.in_run_order(user_id, model_id, b.get("seq_id"))
+        if refused:
+            return refused
         # Unnamed sampler weights (only for a sampling session) are the core's ephemeral
         # kind: never listed, removed at restart and beyond the run's quota.
         name = b.get("path") or None
         if name is None and kind == "sampler_weights":
             kind = "ephemeral"
-        req = {"model_id": run_id, "seq": seq, "name": name, "kind": kind, "overwrite": bool(b.get("overwrite")),
-               "ttl_seconds": b.get("ttl_seconds"), "user_metadata": b.get("user_metadata")}
+        req.update(name=name, kind=kind, overwrite=bool(b.get("overwrite")),
+                   ttl_seconds=b.get("ttl_seconds"), user_metadata=b.get("user_metadata"))
         rid = door.submit(user_id, "save_weights", req, key)
         session_seq = b.get("sampling_session_seq_id")
         if kind == "weights" or session_seq is None:
@@ -626,13 +617,10 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
             door.remember(model_id, user_id, rid, b.get("user_metadata"))
             return {"request_id": rid, "model_id": model_id}
         model_id = b.get("model_id") or ""
-        key = f"tinker:{model_id}:{b.get('seq_id')}"
-        try:
-            run_id = await door.core_id(user_id, model_id, "model")
-            seq = seq_of(b.get("seq_id"))
-        except ServiceError as exc:
-            return {"request_id": door.local_future(user_id, door._raise(exc), key), "model_id": model_id}
-        req = {"model_id": run_id, "seq": seq, "path": path, "with_optimizer": bool(b.get("optimizer"))}
+        key, req, refused = await door.in_run_order(user_id, model_id, b.get("seq_id"))
+        if refused:
+            return refused
+        req.update(path=path, with_optimizer=bool(b.get("optimizer")))
         return {"request_id": door.submit(user_id, "load_weights", req, key), "model_id": model_id}
 
     # -- sampling ------------------------------------------------------------------------
