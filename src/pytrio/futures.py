@@ -2,7 +2,8 @@
 
 Each SDK operation is written once, as a coroutine. A sync call schedules it on one
 background event loop (a daemon thread shared by all clients) and returns an
-``APIFuture`` at once; the ``_async`` twin returns the same future from a coroutine.
+``APIFuture`` at once; the ``_async`` twin makes the same call at once and returns a
+coroutine that gives the future.
 ``APIFuture`` supports ``.result(timeout)``, ``done()`` and ``await``.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import inspect
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, TypeVar
@@ -66,7 +68,12 @@ class APIFuture(Generic[T]):
         return self._future.done()
 
     def __await__(self):
-        return asyncio.wrap_future(self._future).__await__()
+        # Shielded: cancelling the awaiting task (``asyncio.wait_for``'s timeout, a
+        # TaskGroup's failing sibling) abandons this wait only. Unshielded, the
+        # cancellation reached the operation's own future, whose request had been sent and
+        # still ran (its gradient applied at the next step) while every later ``result()``
+        # raised CancelledError.
+        return asyncio.shield(asyncio.wrap_future(self._future)).__await__()
 
 
 def schedule(coro: Coroutine[Any, Any, T]) -> APIFuture[T]:
@@ -102,12 +109,33 @@ def sync_twin(async_fn: Callable[..., Awaitable[T]]) -> Callable[..., T]:
     return method
 
 
-def async_twin(sync_fn: Callable[..., APIFuture[T]]) -> Callable[..., Awaitable[APIFuture[T]]]:
-    """The ``_async`` version of a future-returning method: ``await`` it for the future."""
+def async_twin(sync_fn: Callable[..., APIFuture[T]]) -> Callable[..., Coroutine[Any, Any, APIFuture[T]]]:
+    """The ``_async`` version of a future-returning method: ``await`` it for the future.
+
+    The call itself (not the first ``await``) makes the request and takes its place in
+    the client's order, as the sync method does: ``create_task(tc.forward_backward_async(..))``
+    then ``tc.optim_step()`` steps on that gradient. (An ``async def`` twin took its place
+    only when its coroutine first ran, after the step.) An error is raised at the
+    ``await``, as from an ``async def``.
+    """
 
     @functools.wraps(sync_fn)
-    async def method(self, *args, **kwargs):
-        return sync_fn(self, *args, **kwargs)
+    def method(self, *args, **kwargs):
+        try:
+            future = sync_fn(self, *args, **kwargs)
+        except Exception as exc:
+            return _raise(exc)
+        return _ready(future)
 
     method.__name__ = sync_fn.__name__ + "_async"
+    if hasattr(inspect, "markcoroutinefunction"):  # Python >= 3.12: inspect calls it a coroutine function
+        inspect.markcoroutinefunction(method)
     return method
+
+
+async def _ready(value: T) -> T:
+    return value
+
+
+async def _raise(exc: Exception) -> Any:
+    raise exc

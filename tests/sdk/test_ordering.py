@@ -97,6 +97,20 @@ def waiting_or_sent(tc: trio.TrainingClient, service: FakeService, op: str) -> b
     return any(o == op for o, _ in service.submits) or (order is not None and order.waiting > 0)
 
 
+def test_an_async_call_takes_its_place_when_made_not_when_first_awaited():
+    service = FakeService()
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+
+    async def main() -> None:
+        backward = asyncio.create_task(tc.forward_backward_async([datum()]))  # runs at the next await
+        step = tc.optim_step()
+        await asyncio.wait_for(await backward, WAIT)
+        await asyncio.wait_for(step, WAIT)
+
+    asyncio.run(main())
+    assert service.submits == [("forward_backward", 0), ("optim_step", 1)]
+
+
 def test_a_slow_forward_does_not_let_the_next_call_overtake_the_backward():
     service = FakeService(hold={"forward"})
     tc = trio.TrainingClient(Session(service), "run-1", MODEL)
