@@ -332,7 +332,7 @@ class ModelHost:
             shared_error: Exception | None = None
             try:
                 results = self._run(jobs, backward)
-                failed = any(backward and _non_finite(job, r) for job, r in zip(jobs, results))
+                failed = backward and any(self._backward_error(job, r) for job, r in zip(jobs, results))
             except Exception as exc:
                 if len(jobs) == 1:
                     self._restore_grads(saved)
@@ -342,7 +342,7 @@ class ModelHost:
                 return list(results)
             self._restore_grads(saved)
             if len(jobs) == 1:  # that pass was the job alone: its error is known, no second run
-                return [_non_finite(jobs[0], results[0]) or results[0]]
+                return [self._backward_error(jobs[0], results[0]) or results[0]]
             outcomes = [self._alone(job, backward) for job in jobs]
             if shared_error is not None and not _fails_alike(shared_error, outcomes):
                 _report_co_batch_bug(shared_error, jobs)
@@ -353,13 +353,27 @@ class ModelHost:
         saved = self._save_grads(_adapters_of([job])) if backward else {}
         try:
             [result] = self._run([job], backward)
-            error: Exception | None = _non_finite(job, result) if backward else None
+            error: Exception | None = self._backward_error(job, result) if backward else None
         except Exception as exc:
             error = exc
         if error is None:
             return result
         self._restore_grads(saved)
         return error
+
+    def _backward_error(self, job: ForwardJob, result: ForwardResult) -> NonFiniteLossError | None:
+        """Why a job's backward may not count: a non-finite loss, or finite losses whose
+        gradient overflowed (advantages of 1e30, say). Either would poison the adapter: an
+        inf in AdamW's second moment stops those weights for good, and the state no longer
+        loads. Checked on the adapter's accumulated grads, so no later sum overflows either."""
+        error = _non_finite(job, result)
+        if error is not None or job.adapter_id is None:
+            return error
+        grads = [p.grad for p in self.adapter_params(job.adapter_id).values() if p.grad is not None]
+        if not grads:
+            return None
+        norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        return None if math.isfinite(norm) else _overflowed(job, norm)
 
     def _save_grads(self, adapter_ids: set[str]) -> dict[str, dict[str, torch.Tensor | None]]:
         """A copy of each adapter's grads (None where there are none), for ``_restore_grads``."""
@@ -854,6 +868,18 @@ def _non_finite(job: ForwardJob, result: ForwardResult) -> NonFiniteLossError | 
                 f"where loss_fn_inputs are {values}; nothing was added to the gradients",
                 i, "loss_fn_inputs")
     return None
+
+
+def _overflowed(job: ForwardJob, norm: float) -> NonFiniteLossError:
+    """The error for finite losses whose gradient is not finite, naming the datum input of
+    the largest magnitude (what usually overflows it)."""
+    i, name, t, value = max(((i, name, t, v) for i, ex in enumerate(job.examples)
+                             for name, values in ex.inputs.items() if name != "target_tokens"
+                             for t, v in enumerate(values)), key=lambda entry: abs(entry[3]), default=(0, "", 0, 0.0))
+    largest = f"; the largest input is data[{i}].loss_fn_inputs[{name!r}][{t}] = {value:g}" if name else ""
+    return NonFiniteLossError(
+        f"data[{i}]: loss_fn {job.loss_fn!r} gave finite losses but a gradient whose norm is not finite "
+        f"({norm}){largest}; nothing was added to the gradients", i, "loss_fn_inputs")
 
 
 def _loss_inputs(ex: Example, n: int, device: torch.device) -> dict[str, torch.Tensor]:

@@ -306,6 +306,31 @@ def test_a_job_failing_alone_explains_a_shared_failure_only_when_it_fails_alike(
         tiny_host.delete_adapter(aid)
 
 
+def test_finite_losses_whose_gradient_overflows_add_nothing_and_name_the_input(tiny_host, new_id):
+    """ppo with an advantage of 1e30 gives finite losses but a gradient whose norm
+    overflows fp32: AdamW's second moment would turn inf and stop those weights for good.
+    That job fails naming the input; a job co-batched with it keeps its own gradient."""
+    poisoned, healthy = new_id(), new_id()
+    for aid in (poisoned, healthy):
+        tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=1))
+    rng = random.Random(8)
+    huge = random_example(tiny_host.vocab_size, 6, rng, fields=("logprobs", "advantages"))
+    huge.inputs["advantages"][2], huge.inputs["weights"][2] = 1e30, 1.0
+    good = random_example(tiny_host.vocab_size, 5, rng, fields=("logprobs", "advantages"))
+    got_poisoned, got_healthy = tiny_host.forward_backward([ForwardJob(poisoned, [huge], "ppo"),
+                                                            ForwardJob(healthy, [good], "ppo")])
+    assert isinstance(got_poisoned, InvalidInputError), got_poisoned
+    assert "gradient" in str(got_poisoned) and "data[0].loss_fn_inputs['advantages'][2] = 1e+30" in str(got_poisoned)
+    assert all(p.grad is None for p in tiny_host.adapter_params(poisoned).values())
+    shared = {k: p.grad.clone() for k, p in tiny_host.adapter_params(healthy).items()}
+    tiny_host.zero_grad(healthy)
+    tiny_host.forward_backward([ForwardJob(healthy, [good], "ppo")])
+    for k, p in tiny_host.adapter_params(healthy).items():
+        torch.testing.assert_close(shared[k], p.grad, atol=1e-6, rtol=1e-5)
+    for aid in (poisoned, healthy):
+        tiny_host.delete_adapter(aid)
+
+
 def test_gradient_matches_autograd_on_plain_formula(tiny_host, new_id):
     """dL/dB of cross-entropy equals autograd through a hand-built W0 + (α/r)·B·A model."""
     aid = new_id()
