@@ -242,6 +242,9 @@ class _Finite(_Model):
     model_config = ConfigDict(allow_inf_nan=False)
 
 
+FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 number (torch.finfo(torch.float32).tiny)
+
+
 class AdamParams(_Finite):
     """AdamW hyper-parameters for one ``optim_step`` (defaults as in the user docs). Out of
     range (a negative rate, a beta of 1 or more) is refused here, at construction, as the
@@ -250,7 +253,8 @@ class AdamParams(_Finite):
     learning_rate: Annotated[float, Field(ge=0)] = 1e-4
     beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
     beta2: Annotated[float, Field(ge=0, lt=1)] = 0.999
-    eps: Annotated[float, Field(ge=0)] = 1e-12
+    # 0 (or what fp32 rounds to 0) divides a zero gradient by zero: NaN weights
+    eps: Annotated[float, Field(ge=FP32_TINY)] = 1e-12
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
     grad_clip_norm: Annotated[float, Field(ge=0)] = 0.0  # 0: no clipping
 
@@ -275,7 +279,15 @@ class SamplingParams(_Finite):
     top_p: float = 1.0
     stop: str | list[str] | list[int] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: Annotated[int | None, Field(ge=-(2**63), lt=2**64)] = None  # what torch's generator takes
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop_string(cls, stop: Any) -> Any:
+        """``""`` is in every text: it would end each sequence at its first token."""
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("a stop string must not be empty")
+        return stop
 
 
 # --------------------------------------------------------------------------- responses

@@ -250,6 +250,21 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
         return config, weights
 
 
+def saved_lora_config(folder: str | Path) -> LoraConfig:
+    """The LoRA config a checkpoint folder holds, read without its tensors: a training
+    state's own, or a PEFT folder's rank and the kinds of layers its ``target_modules``
+    name (as TRIO writes them: module names)."""
+    folder = Path(folder)
+    with _readable(folder):
+        if (folder / "trio_state.json").exists():
+            return LoraConfig(**json.loads((folder / "trio_state.json").read_text())["lora_config"])
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+        targets = cfg.get("target_modules") or ()
+        layers = {targets} if isinstance(targets, str) else {name.rsplit(".", 1)[-1] for name in targets}
+        return LoraConfig(rank=int(cfg["r"]), train_attn=bool(layers & set(ALL_ATTN)),
+                          train_mlp=bool(layers & set(ALL_MLP)), train_unembed=bool(layers & set(UNEMBED)))
+
+
 # A PEFT head copy in bf16 of an fp32 head (or the other way) is off by bf16's rounding,
 # under 2^-8 of each weight: twice that still tells a trained or another head apart
 HEAD_COPY_RTOL = 2**-7

@@ -246,6 +246,8 @@ class ModelHost:
                     f"loss_fn_config[{key!r}]: must be a finite number, got {value!r}",
                     field="loss_fn_config",
                 )
+        if why := spec.config_error(job.loss_fn_config):
+            raise InvalidInputError(f"loss_fn_config: {why}", field="loss_fn_config")
         if job.adapter_id is not None:
             self._adapter(job.adapter_id)
         if not job.examples:

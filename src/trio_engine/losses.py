@@ -46,11 +46,28 @@ def ppo(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
     return _clipped_surrogate(torch.exp(logp - inputs["logprobs"]), inputs, config)
 
 
+def clip_bounds(config: dict) -> tuple[float, float]:
+    """The importance ratio's clip range of ppo, cispo and gspo (0.8, 1.2 by default)."""
+    return float(config.get("clip_low_threshold", 0.8)), float(config.get("clip_high_threshold", 1.2))
+
+
+def _clip_range_error(config: dict) -> str | None:
+    low, high = clip_bounds(config)
+    if 0 <= low <= 1 <= high:
+        return None
+    return (f"clip_low_threshold ({low:g}) and clip_high_threshold ({high:g}) must hold 0 <= low <= 1 <= high: "
+            "the range must take the ratio of on-policy data (1), or even that data is clipped")
+
+
+def _beta_error(config: dict) -> str | None:
+    beta = float(config.get("beta", 0.05))
+    return None if beta >= 0 else f"beta ({beta:g}) must be >= 0: a negative one rewards leaving the sampler's policy"
+
+
 def _clipped_surrogate(ratio: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
     """PPO's ``-w·min(r·A, clip(r, low, high)·A)`` for importance ratios ``ratio`` (with
     their gradient), and its clip fractions."""
-    low = float(config.get("clip_low_threshold", 0.8))
-    high = float(config.get("clip_high_threshold", 1.2))
+    low, high = clip_bounds(config)
     adv = inputs["advantages"]
     surrogate = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
     metrics = {
@@ -68,8 +85,7 @@ def cispo(logp: Tensor, inputs: dict[str, Tensor], config: dict) -> LossResult:
     ``L_t = -w_t · sg(clip(r_t, low, high)) · A_t · logp_t`` with r = exp(logp - q),
     bounds ``clip_low_threshold`` (0.8) and ``clip_high_threshold`` (1.2).
     """
-    low = float(config.get("clip_low_threshold", 0.8))
-    high = float(config.get("clip_high_threshold", 1.2))
+    low, high = clip_bounds(config)
     ratio = torch.exp(logp - inputs["logprobs"]).detach()
     clipped = ratio.clamp(low, high)
     metrics = {"clip_fraction": ((ratio < low) | (ratio > high)).float(), "ratio": ratio}
@@ -114,16 +130,18 @@ class LossSpec:
     required: tuple[str, ...]  # loss_fn_inputs the loss needs besides target_tokens
     config_keys: tuple[str, ...] = ()
     marking: tuple[str, ...] = ()  # inputs that must mark (be non-zero at) one token at least
+    config_error: Callable[[dict], str | None] = lambda config: None  # why a config makes no sense
 
 
+CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(cross_entropy, ()),
     "importance_sampling": LossSpec(importance_sampling, ("logprobs", "advantages")),
-    "ppo": LossSpec(ppo, ("logprobs", "advantages"), ("clip_low_threshold", "clip_high_threshold")),
-    "cispo": LossSpec(cispo, ("logprobs", "advantages"), ("clip_low_threshold", "clip_high_threshold")),
-    "gspo": LossSpec(gspo, ("logprobs", "advantages", "sequence_ratio_mask"),
-                     ("clip_low_threshold", "clip_high_threshold"), marking=("sequence_ratio_mask",)),
-    "dro": LossSpec(dro, ("logprobs", "advantages"), ("beta",)),
+    "ppo": LossSpec(ppo, ("logprobs", "advantages"), CLIP_KEYS, config_error=_clip_range_error),
+    "cispo": LossSpec(cispo, ("logprobs", "advantages"), CLIP_KEYS, config_error=_clip_range_error),
+    "gspo": LossSpec(gspo, ("logprobs", "advantages", "sequence_ratio_mask"), CLIP_KEYS,
+                     marking=("sequence_ratio_mask",), config_error=_clip_range_error),
+    "dro": LossSpec(dro, ("logprobs", "advantages"), ("beta",), config_error=_beta_error),
 }
 
 # Inputs every loss accepts; anything else in loss_fn_inputs is an error (a typo).

@@ -37,7 +37,8 @@ class AdamConfig:
             "learning_rate": self.learning_rate >= 0,
             "beta1": 0 <= self.beta1 < 1,
             "beta2": 0 <= self.beta2 < 1,
-            "eps": self.eps >= 0,
+            # 0 (or what fp32 rounds to 0) divides a zero gradient by zero: NaN weights
+            "eps": self.eps >= torch.finfo(torch.float32).tiny,
             "weight_decay": self.weight_decay >= 0,
             "grad_clip_norm": self.grad_clip_norm >= 0,
         }

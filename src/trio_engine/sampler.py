@@ -106,16 +106,24 @@ class SampleResult:
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
+MAX_NUM_SAMPLES = 1024  # a request's samples
+SEED_MIN, SEED_END = -(2**63), 2**64  # what torch.Generator.manual_seed takes
+
+
 def validate_request(req: SampleRequest, k: int, vocab_size: int, max_seq_len: int) -> None:
     """Raise InvalidInputError naming request ``k``, the field and the value; pure."""
     c = req.config
     checks = [
         ("prompt", len(req.prompt) > 0, len(req.prompt), "must not be empty"),
-        ("num_samples", 1 <= req.num_samples <= 1024, req.num_samples, "must be in [1, 1024]"),
+        ("num_samples", 1 <= req.num_samples <= MAX_NUM_SAMPLES, req.num_samples, f"must be in [1, {MAX_NUM_SAMPLES}]"),
         ("sampling_params.max_tokens", c.max_tokens > 0, c.max_tokens, "must be > 0"),
         ("sampling_params.temperature", 0 <= c.temperature < math.inf, c.temperature, "must be >= 0"),
         ("sampling_params.top_p", 0 < c.top_p <= 1, c.top_p, "must be in (0, 1]"),
         ("sampling_params.top_k", c.top_k >= -1, c.top_k, "must be -1 (off) or >= 0"),
+        ("sampling_params.seed", c.seed is None or SEED_MIN <= c.seed < SEED_END, c.seed,
+         f"must be in [{SEED_MIN}, {SEED_END}) (torch's generator seeds)"),
+        ("sampling_params.stop", all(c.stop_strings), list(c.stop_strings),
+         "a stop string must not be empty (it would end every sequence at its first token)"),
         (
             "prompt",
             len(req.prompt) + c.max_tokens <= max_seq_len,

@@ -308,13 +308,14 @@ def _create_model_from_state(ctx: Context, item: WorkItem) -> t.CreateModelRespo
     req: t.CreateModelFromStateRequest = item.request
     run_id = item.context["run_id"]
     config = ctx.engine.load_state(run_id, ctx.checkpoint_folder(req.path), req.with_optimizer)
-    _insert_run(ctx, item, run_id, config)
+    _insert_run(ctx, item, run_id, config, step=ctx.engine.adapter_info(run_id).step)
     return t.CreateModelResponse(model_id=run_id, base_model=ctx.base_model)
 
 
-def _insert_run(ctx: Context, item: WorkItem, run_id: str, config: LoraConfig) -> None:
+def _insert_run(ctx: Context, item: WorkItem, run_id: str, config: LoraConfig, step: int = 0) -> None:
+    """``step``: the optimizer's (a run made from a state with its optimizer goes on from its step)."""
     ctx.store.insert(runs_table, run_id=run_id, user_id=item.user_id, base_model=ctx.base_model,
-                     lora_config=json.dumps(asdict(config)), created_at=now(), next_seq=0, step=0)
+                     lora_config=json.dumps(asdict(config)), created_at=now(), next_seq=0, step=step)
 
 
 def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
@@ -452,10 +453,12 @@ def set_expiry(store: Store, path: str, expires_at: str | None) -> bool:
 
 def _load_weights(ctx: Context, item: WorkItem) -> t.LoadWeightsResponse:
     req: t.LoadWeightsRequest = item.request
-    ctx.engine.load_state(req.model_id, ctx.checkpoint_folder(req.path), req.with_optimizer)
+    # The checkpoint's adapter replaces the run's, its rank and targets too: the run reports them.
+    config = ctx.engine.load_state(req.model_id, ctx.checkpoint_folder(req.path), req.with_optimizer)
     ctx.steps.pop(req.model_id, None)  # the loaded weights come without the pending gradients
     ctx.unstepped.pop(req.model_id, None)
-    ctx.store.update(runs_table, "run_id", req.model_id, step=ctx.engine.adapter_info(req.model_id).step)
+    ctx.store.update(runs_table, "run_id", req.model_id, step=ctx.engine.adapter_info(req.model_id).step,
+                     lora_config=json.dumps(asdict(config)))
     return t.LoadWeightsResponse(path=req.path)
 
 

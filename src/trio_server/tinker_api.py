@@ -45,7 +45,11 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 
 from pytrio import types as t
+from trio_engine import InvalidInputError
+from trio_engine.checkpoint import saved_lora_config
+from trio_engine.sampler import MAX_NUM_SAMPLES
 
+from . import checkpoints as ckpt
 from .auth import ANONYMOUS
 from .core import Outcome, ServiceCore
 from .errors import RESTART_MESSAGE, ServiceError, not_found
@@ -652,6 +656,8 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         ssid, seq_id = b.get("sampling_session_id"), b.get("seq_id")
         key = f"tinker:{ssid}:{seq_id}" if ssid and seq_id is not None else None
         try:
+            if not 1 <= n <= MAX_NUM_SAMPLES:  # before anything is built per sample
+                raise ServiceError("validation", f"num_samples: must be in [1, {MAX_NUM_SAMPLES}], got {n}")
             if not ssid:
                 raise ServiceError("validation", "asample: TRIO needs a sampling_session_id "
                                    "(create_sampling_client / save_weights_and_get_sampling_client)")
@@ -682,7 +688,7 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         except ServiceError as exc:
             if exc.category in ("authentication", "capacity"):
                 raise  # a 429 the SDK waits out and resends (door.submit)
-            rid = door.local_future(user_id, door._raise(exc), key)
+            rid, n = door.local_future(user_id, door._raise(exc), key), 0  # refused: no sequences
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(n)]}
 
     # -- futures -------------------------------------------------------------------------
@@ -766,10 +772,14 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         path = to_trio_path(b.get("tinker_path") or "")
         checkpoint = core.checkpoint_row(user_id, path)
         run = core.store.get(runs_table, run_id=checkpoint["run_id"])
-        lora = json.loads(run["lora_config"]) if run else {}
-        return {"base_model": run["base_model"] if run else "", "is_lora": True, "lora_rank": lora.get("rank"),
-                "train_unembed": lora.get("train_unembed"), "train_mlp": lora.get("train_mlp"),
-                "train_attn": lora.get("train_attn")}
+        # the checkpoint's own config: the run's may have changed since (a load of another rank)
+        folder = ckpt.folder(core.data_dir, checkpoint["run_id"], checkpoint["kind"], checkpoint["name"])
+        try:
+            lora = await asyncio.to_thread(saved_lora_config, folder)
+        except (OSError, InvalidInputError, KeyError, ValueError) as exc:
+            raise ServiceError("validation", f"{to_tinker_path(path)}: its LoRA config cannot be read ({exc})") from exc
+        return {"base_model": run["base_model"] if run else "", "is_lora": True, "lora_rank": lora.rank,
+                "train_unembed": lora.train_unembed, "train_mlp": lora.train_mlp, "train_attn": lora.train_attn}
 
     return r
 

@@ -397,10 +397,26 @@ def test_bad_input_names_datum_field_value_and_changes_nothing(tiny_host, new_id
     assert_same_snapshot(before, snapshot(tiny_host, aid))
 
 
-def test_bad_loss_config(tiny_host):
+@pytest.mark.parametrize(("loss", "config", "why"), [
+    ("ppo", {"clip_hi": 2.0}, "clip_hi"),
+    ("ppo", {"clip_low_threshold": 1.3}, r"clip_low_threshold \(1.3\) and clip_high_threshold \(1.2\)"),
+    ("cispo", {"clip_low_threshold": -0.1}, r"\(-0.1\).*0 <= low <= 1 <= high"),
+    ("gspo", {"clip_high_threshold": 0.9}, r"clip_high_threshold \(0.9\)"),
+    ("dro", {"beta": -1.0}, r"beta \(-1\) must be >= 0"),
+])
+def test_a_loss_config_that_makes_no_sense_is_refused(tiny_host, loss, config, why):
+    ex = Example([1, 2], {"target_tokens": [2, 3], "logprobs": [0, 0], "advantages": [1, 1],
+                          "sequence_ratio_mask": [1, 1]})
+    with pytest.raises(InvalidInputError, match=why) as err:
+        tiny_host.forward([ForwardJob(None, [ex], loss, config)])
+    assert err.value.field == "loss_fn_config"
+
+
+def test_the_widest_sensible_clip_range_and_no_penalty_are_taken(tiny_host):
     ex = Example([1, 2], {"target_tokens": [2, 3], "logprobs": [0, 0], "advantages": [1, 1]})
-    with pytest.raises(InvalidInputError, match="clip_hi"):
-        tiny_host.forward([ForwardJob(None, [ex], "ppo", {"clip_hi": 2.0})])
+    tiny_host.forward([ForwardJob(None, [ex], "ppo", {"clip_low_threshold": 0.0, "clip_high_threshold": 1.0})])
+    tiny_host.forward([ForwardJob(None, [ex], "ppo", {"clip_low_threshold": 1.0, "clip_high_threshold": 1e9})])
+    tiny_host.forward([ForwardJob(None, [ex], "dro", {"beta": 0.0})])
 
 
 def test_packed_micro_batches_fill_the_budget():

@@ -52,7 +52,7 @@ def test_weight_decay_touches_only_that_adapter(tiny_host, new_id):
 
 
 BAD_ADAM = [("learning_rate", -1e-9), ("learning_rate", float("inf")), ("beta1", 1.0), ("beta1", -0.1),
-            ("beta2", 1.0), ("beta2", 1.5), ("beta2", -0.1), ("eps", -1e-12), ("eps", float("nan")),
+            ("beta2", 1.0), ("beta2", 1.5), ("beta2", -0.1), ("eps", -1e-12), ("eps", 0.0), ("eps", 1e-40), ("eps", float("nan")),
             ("weight_decay", -0.1), ("grad_clip_norm", -1.0), ("grad_clip_norm", float("nan"))]
 
 
@@ -62,10 +62,20 @@ def test_bad_adam_params(field, value):
         AdamConfig(**{field: value})
 
 
-@pytest.mark.parametrize("field", ["learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"])
+@pytest.mark.parametrize("field", ["learning_rate", "beta1", "beta2", "weight_decay", "grad_clip_norm"])
 def test_zero_is_a_valid_adam_param(field):
-    """Every bound is inclusive at 0 (lr 0 = a no-op step, beta 0 = no averaging)."""
+    """Every bound but eps's is inclusive at 0 (lr 0 = a no-op step, beta 0 = no averaging)."""
     assert getattr(AdamConfig(**{field: 0.0}), field) == 0.0
+
+
+def test_the_smallest_eps_keeps_a_zero_gradient_finite():
+    """eps 0 made 0 / 0 of an element whose gradient and moments are 0 (LoRA's A while B
+    is 0, at the first step): NaN weights. The smallest eps taken keeps them finite."""
+    tiny = torch.finfo(torch.float32).tiny
+    params = {"w": torch.zeros(3, requires_grad=True)}
+    params["w"].grad = torch.tensor([0.0, 1.0, 0.0])
+    adamw_step(params, AdamState(), AdamConfig(learning_rate=1e-2, eps=tiny))
+    assert torch.isfinite(params["w"]).all() and params["w"][1] != 0
 
 
 def buffers(tensors) -> int:

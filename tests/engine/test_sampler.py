@@ -430,6 +430,11 @@ def valid(**changes) -> SampleRequest:
     (dict(prompt=[1, VOCAB]), "prompt", f"token id {VOCAB} outside the vocabulary [0, {VOCAB})"),
     (dict(prompt=[-1, 1]), "prompt", f"token id -1 outside the vocabulary [0, {VOCAB})"),
     (dict(stop_token_ids=(3, VOCAB)), "sampling_params.stop", f"token id {VOCAB} outside the vocabulary [0, {VOCAB})"),
+    (dict(seed=2**64), "sampling_params.seed", f"must be in [{-2**63}, {2**64}) (torch's generator seeds), got {2**64}"),
+    (dict(seed=-2**63 - 1), "sampling_params.seed",
+     f"must be in [{-2**63}, {2**64}) (torch's generator seeds), got {-2**63 - 1}"),
+    (dict(stop_strings=("\n", "")), "sampling_params.stop",
+     "a stop string must not be empty (it would end every sequence at its first token), got ['\\n', '']"),
 ])
 def test_a_bad_sample_request_is_named_exactly(changes, field, message):
     """The error names the request's index, the field and the value, word for word."""
@@ -443,7 +448,7 @@ def test_a_bad_sample_request_is_named_exactly(changes, field, message):
 @pytest.mark.parametrize("changes", [
     dict(prompt=[5]), dict(num_samples=1), dict(num_samples=1024), dict(max_tokens=1), dict(temperature=0.0),
     dict(top_p=1.0), dict(top_k=-1), dict(top_k=0), dict(prompt=[1, 2], max_tokens=CONTEXT - 2),
-    dict(prompt=[0, VOCAB - 1], stop_token_ids=(0, VOCAB - 1)),
+    dict(prompt=[0, VOCAB - 1], stop_token_ids=(0, VOCAB - 1)), dict(seed=2**64 - 1), dict(seed=-2**63),
 ])
 def test_a_sample_request_at_the_edge_of_every_bound_is_valid(changes):
     from trio_engine.sampler import validate_request

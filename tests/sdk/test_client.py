@@ -172,6 +172,8 @@ def test_checkpoints_resume_and_sample(service):
     assert resumed.get_info().step == 1
     fresh = service.create_training_client_from_state(saved.path)
     assert fresh.get_info().step == 0
+    rest = service.create_rest_client()  # the run's record (the console, `trio runs list`) agrees
+    assert (rest.get_training_run(resumed.model_id).step, rest.get_training_run(fresh.model_id).step) == (1, 0)
     a = resumed.forward([datum()]).result().loss_fn_outputs[0]["logprobs"].tolist()
     b = tc.forward([datum()]).result().loss_fn_outputs[0]["logprobs"].tolist()
     assert a == pytest.approx(b, abs=1e-6)

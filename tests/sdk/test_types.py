@@ -39,11 +39,19 @@ def test_defaults_match_the_docs():
 
 
 @pytest.mark.parametrize("field, value", [("learning_rate", -1.0), ("beta1", 1.0), ("beta2", 2.0), ("beta1", -0.1),
-                                          ("eps", -1e-8), ("weight_decay", -0.01), ("grad_clip_norm", -1.0)])
+                                          ("eps", -1e-8), ("eps", 0.0), ("weight_decay", -0.01),
+                                          ("grad_clip_norm", -1.0)])
 def test_adam_params_out_of_range_are_refused_at_construction(field, value):
     with pytest.raises(pydantic.ValidationError, match=field):
         trio.AdamParams(**{field: value})
-    trio.AdamParams(learning_rate=0.0, beta1=0.0, beta2=0.0, eps=0.0)  # the edges the engine accepts
+    trio.AdamParams(learning_rate=0.0, beta1=0.0, beta2=0.0, eps=1.1754943508222875e-38)  # the engine's edges
+
+
+@pytest.mark.parametrize("field, value", [("seed", 2**64), ("seed", -2**63 - 1), ("stop", ""), ("stop", ["\n", ""])])
+def test_sampling_params_out_of_range_are_refused_at_construction(field, value):
+    with pytest.raises(pydantic.ValidationError, match=field):
+        trio.SamplingParams(max_tokens=4, **{field: value})
+    trio.SamplingParams(max_tokens=4, seed=2**64 - 1, stop=["\n"])
 
 
 def test_import_does_not_import_torch():

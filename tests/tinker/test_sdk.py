@@ -166,6 +166,17 @@ def _walk_every_route(service, tinker_server):
     tc.load_state(state).result()
     assert _close(tc.forward(data, "cross_entropy").result().metrics["loss:sum"], trained)
 
+    # a state of another rank replaces the run's adapter: the run reports the new rank, and
+    # each checkpoint its own
+    small = service.create_lora_training_client(base_model=TINY, rank=4)
+    small_state = small.save_state("r4").result().path
+    tc.load_state(small_state).result()
+    assert rest.get_training_run(run_id).result().lora_rank == 4  # (tinker's get_info() is the client's memo)
+    assert rest.get_weights_info_by_tinker_path(small_state).result().lora_rank == 4
+    assert rest.get_weights_info_by_tinker_path(state).result().lora_rank == 8  # saved at rank 8
+    sampler_info = rest.get_weights_info_by_tinker_path(sampler_path).result()
+    assert (sampler_info.lora_rank, sampler_info.train_mlp, sampler_info.train_attn) == (8, True, True)
+
     # deleting a checkpoint
     rest.delete_checkpoint_from_tinker_path(sampler_path).result()
     ids = {c.checkpoint_id for c in rest.list_checkpoints(run_id).result().checkpoints}
