@@ -55,11 +55,14 @@ class AdamState:
     step: int = 0
     exp_avg: dict[str, torch.Tensor] = field(default_factory=dict)
     exp_avg_sq: dict[str, torch.Tensor] = field(default_factory=dict)
+    # what the step that made ``step`` answered: kept in snapshots, so a step that landed
+    # before a crash, but whose answer did not go out, is answered after it
+    step_metrics: dict[str, float] = field(default_factory=dict)
 
     def to(self, device: torch.device | str) -> AdamState:
         """The same state with its moments on ``device`` (checkpoints load on the CPU), in
         fp32 as the adapters' parameters are, whatever a checkpoint stored."""
-        return AdamState(self.step, _moved(self.exp_avg, device), _moved(self.exp_avg_sq, device))
+        return AdamState(self.step, _moved(self.exp_avg, device), _moved(self.exp_avg_sq, device), dict(self.step_metrics))
 
 
 def _moved(moments: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -104,11 +107,8 @@ def adamw_step(params: dict[str, torch.Tensor], state: AdamState, cfg: AdamConfi
         torch._foreach_addcdiv_(ps, m, denom, -cfg.learning_rate / bias1)
     for p in ps:
         p.grad = None
-    return {
-        "grad_norm": grad_norm,
-        "learning_rate": cfg.learning_rate,
-        "step": float(state.step),
-    }
+    state.step_metrics = {"grad_norm": grad_norm, "learning_rate": cfg.learning_rate, "step": float(state.step)}
+    return dict(state.step_metrics)
 
 
 def _global_norm(grads: list[torch.Tensor]) -> float:

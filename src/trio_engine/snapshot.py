@@ -59,6 +59,7 @@ class Snapshot:
     base_model: str
     tensors: dict[str, torch.Tensor]  # "<section>.<param name>" -> CPU tensor
     image: FileImage | None = field(default=None, repr=False)  # ``tensors`` are views of it (``capture``)
+    step_metrics: dict[str, float] = field(default_factory=dict)  # ``AdamState.step_metrics``
 
 
 def capture(host: Any, adapter_id: str, with_grads: bool = False) -> Snapshot:
@@ -72,7 +73,8 @@ def capture(host: Any, adapter_id: str, with_grads: bool = False) -> Snapshot:
         if with_grads:
             parts["grad"] = {k: p.grad for k, p in params.items() if p.grad is not None}
         live = {f"{section}.{k}": v.detach() for section, values in parts.items() for k, v in values.items()}
-        return laid_out(Snapshot(adapter.config, adapter.optim.step, host.model_name, live))
+        return laid_out(Snapshot(adapter.config, adapter.optim.step, host.model_name, live,
+                                 step_metrics=dict(adapter.optim.step_metrics)))
 
 
 def laid_out(snap: Snapshot) -> Snapshot:
@@ -89,7 +91,7 @@ def laid_out(snap: Snapshot) -> Snapshot:
         header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
                         "data_offsets": [start, end]}
     header["__metadata__"] = {"format": FORMAT, "base_model": snap.base_model, "step": str(snap.step),
-                              "lora_config": json.dumps(asdict(snap.config))}
+                              "lora_config": json.dumps(asdict(snap.config)), "step_metrics": json.dumps(snap.step_metrics)}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
     prefix = struct.pack("<Q", len(text)) + text
@@ -103,7 +105,7 @@ def laid_out(snap: Snapshot) -> Snapshot:
         view = data[start:stop].view(tensor.dtype).view(tensor.shape)
         view.copy_(tensor)
         tensors[name] = view
-    return Snapshot(snap.config, snap.step, snap.base_model, tensors, image)
+    return Snapshot(snap.config, snap.step, snap.base_model, tensors, image, snap.step_metrics)
 
 
 def _page_aligned(size: int) -> FileImage:
@@ -180,17 +182,30 @@ def read(path: str | Path) -> Snapshot:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: not a TRIO snapshot (format {meta.get('format')!r})")
     config = LoraConfig(**json.loads(meta["lora_config"]))
-    return Snapshot(config, int(meta["step"]), meta["base_model"], load_file(str(path)))
+    return Snapshot(config, int(meta["step"]), meta["base_model"], load_file(str(path)),
+                    step_metrics=_step_metrics(meta))
+
+
+def _step_metrics(meta: dict[str, str]) -> dict[str, float]:
+    return json.loads(meta.get("step_metrics", "{}"))  # absent from snapshots written before it was kept
 
 
 def step_of(path: str | Path) -> int | None:
     """The step a snapshot holds, from its header alone; None if there is none or it
     cannot be read (a damaged file fails its run when restored, not whoever asks here)."""
+    landed = last_step(path)
+    return None if landed is None else landed[0]
+
+
+def last_step(path: str | Path) -> tuple[int, dict[str, float]] | None:
+    """The step a snapshot holds and what the step that made it answered (``{}`` if not
+    kept), from its header alone; None as for ``step_of``."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            return int((f.metadata() or {})["step"])
+            meta = f.metadata() or {}
+        return int(meta["step"]), _step_metrics(meta)
     except Exception:
         return None
 
@@ -212,4 +227,5 @@ def restore(host: Any, adapter_id: str, snap: Snapshot) -> None:
                 params[name].copy_(tensor)
         for name, grad in sections["grad"].items():
             params[name].grad = grad.to(params[name].device, params[name].dtype)
-        host.adapters[adapter_id].optim = AdamState(snap.step, sections["exp_avg"], sections["exp_avg_sq"]).to(host.device)
+        host.adapters[adapter_id].optim = AdamState(snap.step, sections["exp_avg"], sections["exp_avg_sq"],
+                                                    snap.step_metrics).to(host.device)

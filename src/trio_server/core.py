@@ -224,6 +224,9 @@ class ServiceCore:
 
     def _recover(self) -> None:
         """After a crash: in-flight requests fail clearly; runs resume at their next seq."""
+        runs = self.store.select(runs_table)
+        for run in runs:
+            self._answer_landed_steps(run)  # before the rest fail and the lost calls are counted
         failed = self.store.fail_pending(RESTART_MESSAGE)
         if failed:
             log.warning("marked %d in-flight requests failed after restart", len(failed))
@@ -238,9 +241,32 @@ class ServiceCore:
         # their gradients were in this process's memory: the runs' next steps say so
         self.lost_calls.update(self.store.calls_since_last_step())
         max_seq = self.store.max_seq_by_run()
-        for run in self.store.select(runs_table):
+        for run in runs:
             self.next_seq[run["run_id"]] = max(run["next_seq"], max_seq.get(run["run_id"], -1) + 1)
             self._reconcile_step(run)
+
+    def _answer_landed_steps(self, run: dict) -> None:
+        """A step is answered, and its record stored, once its snapshot is written: a crash
+        between the write and the record leaves the step made but its request pending.
+        Failed as in flight ("submit it again"), the client would apply its batch twice,
+        and the calls before it would count as lost. So the run's first pending optim_steps,
+        as many as its snapshot is ahead of the store, are answered done; the last with the
+        metrics the snapshot kept (an earlier one, coalesced into the same write, with its
+        step number alone)."""
+        from trio_engine import snapshot
+
+        landed = snapshot.last_step(snapshot_path(self.engine_settings.snapshot_dir, run["run_id"]))
+        if landed is None or landed[0] <= run["step"]:
+            return
+        step, metrics = landed
+        pending = sorted(self.store.select(requests_table, run_id=run["run_id"], op="optim_step", status="pending"),
+                         key=lambda row: row["seq"])
+        for n, row in enumerate(pending[: step - run["step"]], start=run["step"] + 1):
+            answer = t.OptimStepResponse(metrics=metrics if n == step and metrics else {"step": float(n)})
+            self.store.update(requests_table, "request_id", row["request_id"], status="done",
+                              result=answer.model_dump_json())
+            log.warning("run %s: optim_step %s (step %d) was made before the restart: answered done",
+                        run["run_id"], row["request_id"], n)
 
     def _reconcile_step(self, run: dict) -> None:
         """The run's step is stored once its snapshot is written: a crash between the two

@@ -12,6 +12,8 @@ import pytrio as trio
 from pytrio.transport.local import LocalTransport
 from trio_server.core import Limits, ServiceCore
 from trio_server.engine import snapshot_path
+from trio_server.store import requests as requests_table
+from trio_server.store import runs as runs_table
 from trio_server.worker import Answers, HostWorker, Sequencing
 
 from ..polling import wait_until
@@ -319,6 +321,38 @@ def test_an_optim_step_whose_gradients_a_host_restart_lost_fails_and_changes_not
     core.close()
 
 
+def test_a_step_whose_snapshot_landed_but_not_its_record_is_answered_done_after_a_restart(tmp_path):
+    """A crash after a step's snapshot is written and before its record is stored (a
+    PostgreSQL blip holds the record up to a minute) leaves the step made and its request
+    pending. It is answered done with its metrics; failed as in flight ("submit it again"),
+    the client would have applied the batch twice, and the next step been refused for
+    "lost" calls that the landed step had consumed."""
+    before = ServiceCore(tmp_path, dtype="float32")
+    tc = trainer(before)
+    tc.forward_backward([DATUM]).result()
+    step = tc.optim_step(trio.AdamParams(learning_rate=1e-2))
+    answer = step.result()
+    stepped = tc.forward([DATUM]).result().loss_fn_outputs[0]["logprobs"].tolist()
+    request_id = before.store.select(requests_table, run_id=tc.model_id, op="optim_step")[0]["request_id"]
+    before.close()
+    # the store as the crash left it: the step's record (step 1, the answer) never written
+    before.store.update(runs_table, "run_id", tc.model_id, step=0)
+    before.store.update(requests_table, "request_id", request_id, status="pending", result=None)
+
+    from pytrio.futures import run_sync
+
+    after = ServiceCore(tmp_path, dtype="float32")
+    state = run_sync(LocalTransport(after).retrieve(request_id, 0))
+    assert state.status == "done" and state.result == answer.model_dump()
+    assert answer.metrics["grad_norm"] > 0
+    tc._session.transport = LocalTransport(after)
+    assert tc.get_info().step == 1
+    assert tc.forward([DATUM]).result().loss_fn_outputs[0]["logprobs"].tolist() == stepped
+    tc.forward_backward([DATUM]).result()
+    assert tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result().metrics["step"] == 2  # nothing "lost"
+    after.close()
+
+
 def test_an_optim_step_after_a_service_restart_lost_its_gradients_is_refused_too(tmp_path):
     """A restart of the whole service loses the gradients in memory as an actor restart
     does: the calls since the run's last step are counted from the store at start-up, and
@@ -366,7 +400,6 @@ def test_a_data_dir_has_one_owner_and_shared_users_leave_its_requests_alone(tmp_
     import sqlalchemy as sa
 
     from trio_server.errors import DataDirInUse
-    from trio_server.store import requests as requests_table
 
     first = ServiceCore(tmp_path, dtype="float32")
     run_id = trainer(first).model_id
@@ -828,7 +861,6 @@ def test_a_next_turn_reports_the_prompt_tokens_it_reused(tmp_path):
 def test_a_submit_past_a_queue_bound_is_refused_before_anything_changes_and_a_retry_still_answers(tmp_path):
     from pytrio import types as t
     from trio_server.errors import ServiceError
-    from trio_server.store import requests as requests_table
 
     core = ServiceCore(tmp_path, dtype="float32", limits=Limits(max_pending_per_user=1, max_pending_total=2,
                                                                 retry_after_seconds=2.5))
