@@ -228,18 +228,16 @@ WRITE_RETRY_PAUSES = (0.5, 2.0, 8.0)
 class SnapshotWriter:
     """Writes run snapshots: atomically, at most one write per run under way at a time.
 
-    Three ways in, by what the caller needs:
+    Two ways in, by what the caller needs (and ``write_now``, for ``offload``):
 
     - ``commit(run)`` writes the run's state in the caller's thread and returns once it is
-      on disk: a new run, a loaded state (rare; their answers follow at once).
+      on disk: a new run, a loaded state, a restored one's file back at its completed step
+      (rare; their answers follow at once).
     - ``submit(run)`` copies the run's state now, under the host's lock (so the next step
       cannot change it mid-write), and writes the copy on the writer's thread; ``wait(run)``
       returns once everything submitted for the run so far is on disk. ``optim_step`` uses
       the pair: the step's answer waits in ``wait`` (``worker.Answers``) while the base
       model's worker runs other users' work instead of waiting for the disk.
-    - ``mark(run)`` asks for a background write of what the run holds when the writer gets
-      to it, for rewrites that lose nothing if they never land (a restored snapshot's
-      gradients dropped).
 
     Requests for a run whose write has not started yet coalesce into one write of the
     newest state. At most ``MAX_WAITING_COPIES`` copies wait for the writer (each is the
@@ -263,10 +261,6 @@ class SnapshotWriter:
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="trio-snapshots", daemon=True)
         self.thread.start()
-
-    def mark(self, run_id: str) -> None:
-        if self.enabled:
-            self._ask(run_id, None)
 
     def submit(self, run_id: str) -> int | None:
         """The number of the write asked for (None: snapshots are off). If the copy fails
@@ -425,9 +419,11 @@ class LocalEngine:
                 snapshot.restore(host, run_id, snap)
                 log.info("run %s restored from its snapshot at step %d", run_id, snap.step)
                 if any(k.startswith("grad.") for k in snap.tensors):
-                    # Pending grads now live in memory; a crash must not bring back these ones
-                    # beside later steps, so the file goes back to the completed step alone.
-                    self.snapshots.mark(run_id)
+                    # Pending grads now live in memory. The file goes back to the completed step
+                    # alone, now: rewritten in the background, a crash after the next
+                    # forward_backward could restore these grads without that call's, and the
+                    # next optim_step would step on them as if nothing were lost.
+                    self.snapshots.commit(run_id)
         return host
 
     def create_adapter(self, run_id: str, config: LoraConfig) -> None:

@@ -34,7 +34,7 @@ def engine(tmp_path):
 
 
 
-def test_marks_during_a_write_coalesce_into_one_more_write_of_the_newest_state(engine, monkeypatch):
+def test_asks_during_a_write_coalesce_into_one_more_write_of_the_newest_state(engine, monkeypatch):
     engine.create_adapter("run-a", LoraConfig(rank=2))
     engine.flush()
     writes: list[int] = []
@@ -47,12 +47,12 @@ def test_marks_during_a_write_coalesce_into_one_more_write_of_the_newest_state(e
     monkeypatch.setattr(snapshot, "write", counting_write)
     writer = engine.snapshots
     with engine.host.lock:  # the writer's capture waits for the lock: a write in flight
-        writer.mark("run-a")
+        writer._ask("run-a", None)  # a write without a copy (a failed capture's): copied when written
         wait_until(lambda: "run-a" in writer.writing, "the writer to start")
         for _ in range(5):
-            writer.mark("run-a")
+            writer._ask("run-a", None)
     engine.flush()
-    assert len(writes) == 2, writes  # the one in flight, then one for all five marks
+    assert len(writes) == 2, writes  # the one in flight, then one for all five asks
     for _ in range(3):  # steps while writes happen: the file ends at the newest
         engine.forward_backward([job("run-a")])
         engine.optim_step("run-a", AdamConfig(learning_rate=1e-2))
@@ -267,9 +267,34 @@ def test_offload_frees_memory_and_keeps_pending_grads(engine):
     assert engine.adapter_info("run-d").step == 1  # back on first use
     for k, p in engine.host.adapter_params("run-d").items():
         assert p.grad is not None and bool((p.grad == grads[k]).all()), k
-    engine.flush()  # the grads are in memory again; the file returns to the completed step alone
+    # The grads are in memory again, and the file is back at the completed step alone before
+    # the restoring call goes on: a crash after the next forward_backward must not restore
+    # these grads without that call's, and step on them as if nothing were lost.
     on_disk = snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-d"))
     assert on_disk.step == 1 and not any(k.startswith("grad.") for k in on_disk.tensors)
+
+
+def test_a_restore_with_grads_rewrites_the_file_before_the_call_goes_on(engine, monkeypatch):
+    """As above, with the snapshot writer's thread held: the rewrite is the caller's."""
+    import threading
+
+    engine.create_adapter("run-e", LoraConfig(rank=2, seed=2))
+    engine.forward_backward([job("run-e")])
+    engine.offload("run-e")
+    held, write = threading.Event(), snapshot.write
+
+    def writer_held(path, snap):
+        if threading.current_thread() is engine.snapshots.thread:
+            held.wait(30)
+        write(path, snap)
+
+    monkeypatch.setattr(snapshot, "write", writer_held)
+    try:
+        engine.forward_backward([job("run-e")])  # restores run-e, then adds this call's grads
+        on_disk = snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-e"))
+        assert not any(k.startswith("grad.") for k in on_disk.tensors)
+    finally:
+        held.set()
 
 
 def test_a_batch_keeps_all_its_sampler_weights_loaded_and_deleted_weights_fail(engine, tmp_path):
