@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -378,8 +379,19 @@ def write_folder(folder: str | Path, fill: Callable[[Path], None]) -> None:
         _fsync(folder.parent)
     except OSError as exc:
         raise CheckpointWriteError(str(folder), exc) from exc
+    except SafetensorError as exc:  # safetensors' own type for an OS error while it writes
+        if (cause := _os_error_in(exc)) is None:
+            raise
+        raise CheckpointWriteError(str(folder), cause) from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _os_error_in(exc: SafetensorError) -> OSError | None:
+    """The OSError a safetensors error reports in its text ("I/O error: No space left on
+    device (os error 28)"), or None for one of another kind."""
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return None if found is None else OSError(int(found[1]), os.strerror(int(found[1])))
 
 
 def _swap_in(new: Path, folder: Path, old: Path) -> None:

@@ -10,6 +10,7 @@ files (after one was written), EROFS at the first file.
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 
@@ -49,13 +50,16 @@ def logprobs(tc) -> list[float]:
 
 
 def failing_save_file(monkeypatch, code: int, after: int) -> None:
-    """``save_file`` in the checkpoint module writes ``after`` files, then fails with ``code``."""
+    """``save_file`` in the checkpoint module writes ``after`` files, then fails with ``code``
+    as safetensors does: its own error type (not an OSError), the OS error in its text."""
+    from safetensors import SafetensorError
+
     real, calls = engine_checkpoint.save_file, {"n": 0}
 
     def save_file(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] > after:
-            raise OSError(code, {errno.ENOSPC: "No space left on device", errno.EROFS: "Read-only file system"}[code])
+            raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine_checkpoint, "save_file", save_file)
