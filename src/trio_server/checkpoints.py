@@ -16,8 +16,10 @@ NUL, absolute, empty, too long). Refusals are 400s naming the field and the valu
 
 from __future__ import annotations
 
+import os
 import re
 import tarfile
+import threading
 from pathlib import Path
 
 from .errors import ServiceError
@@ -94,14 +96,30 @@ def archive_file(out_dir: Path, run_id: str, kind: str, name: str) -> Path:
     return out_dir / f"{run_id}-{kind}-{name}.tar"
 
 
+_BUILDING = threading.Lock()  # guards _BUILDERS
+_BUILDERS: dict[Path, threading.Lock] = {}  # an archive's path -> the lock of whoever builds it
+
+
 def archive(folder: Path, out_dir: Path) -> Path:
-    """``<run>-<kind>-<name>.tar`` of the folder, rebuilt only when the folder changed."""
+    """``<run>-<kind>-<name>.tar`` of the folder, rebuilt only when the folder changed.
+
+    Downloads of one checkpoint at once (routes run in a thread pool) build it once: the
+    others wait for that build. Each build writes its own temporary file (named by its
+    process: embedded services share a data dir) and renames it into place, so a reader
+    never sees a half-written archive (a shared temporary name let concurrent builds
+    truncate and rename each other's: 500s, and a 200 with an empty body)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     target = archive_file(out_dir, folder.parent.parent.name, folder.parent.name, folder.name)
-    newest = max((p.stat().st_mtime for p in folder.rglob("*")), default=0)
-    if not target.exists() or target.stat().st_mtime < newest:
-        tmp = target.with_suffix(".tmp")
-        with tarfile.open(tmp, "w") as tar:
-            tar.add(folder, arcname=folder.name)
-        tmp.replace(target)
+    with _BUILDING:
+        builder = _BUILDERS.setdefault(target, threading.Lock())
+    with builder:
+        newest = max((p.stat().st_mtime for p in folder.rglob("*")), default=0)
+        if not target.exists() or target.stat().st_mtime < newest:
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            try:
+                with tarfile.open(tmp, "w") as tar:
+                    tar.add(folder, arcname=folder.name)
+                tmp.replace(target)
+            finally:
+                tmp.unlink(missing_ok=True)
     return target

@@ -12,6 +12,7 @@ Nothing here waits a fixed time: each test waits for its condition (long polls,
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -328,3 +329,36 @@ def test_resume_after_the_checkpoint_was_replaced_gives_the_new_archive(archive_
 
     resumed = rest.download_checkpoint_archive(path, dest=dest, progress=False)
     assert resumed.read_bytes() == new_bytes
+
+
+def test_concurrent_downloads_of_one_archive_each_get_the_whole_archive(tmp_path):
+    """Routes run in a thread pool: downloads of one checkpoint at once all build its
+    archive. They shared one temporary file, truncating and renaming each other's (500s,
+    and a 200 with an empty body); each must get the complete archive."""
+    import tarfile
+    import threading
+
+    from trio_server import checkpoints as ckpt
+
+    folder = tmp_path / "checkpoints" / "run-abc" / "weights" / "w1"
+    folder.mkdir(parents=True)
+    contents = {f"part{i}.bin": os.urandom(2 << 20) for i in range(3)}
+    for name, data in contents.items():
+        (folder / name).write_bytes(data)
+    start, results = threading.Barrier(6), []
+
+    def download() -> None:
+        start.wait()
+        try:
+            with tarfile.open(ckpt.archive(folder, tmp_path / "archives")) as tar:
+                results.append({m.name.split("/")[-1]: tar.extractfile(m).read() for m in tar if m.isfile()})
+        except Exception as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=download) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [contents] * 6
+    assert [p.name for p in (tmp_path / "archives").iterdir()] == ["run-abc-weights-w1.tar"]  # no debris
