@@ -405,6 +405,27 @@ EXTERNAL_WEIGHTS_REFUSAL = (
     "a merged Hugging Face model")
 
 
+def _not_adamw(body: dict) -> ServiceError | None:
+    """The refusal of a training client asked to use another optimizer than AdamW."""
+    optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+    if optimizer == "adamw":
+        return None
+    return ServiceError("validation", f"optimizer_config.type: TRIO supports 'adamw' only, got {optimizer!r}")
+
+
+def _other_base_model(core: ServiceCore, user_id: str, path: str, base_model: str | None) -> ServiceError | None:
+    """The refusal of a client from a checkpoint that names another base model than the
+    checkpoint's (the SDK's ``base_model``: it would otherwise be ignored)."""
+    try:
+        run = core.store.get(runs_table, run_id=core.checkpoint_row(user_id, path)["run_id"])
+    except ServiceError:
+        return None  # an unknown checkpoint: the load says so
+    if base_model is None or run is None or run["base_model"] == base_model:
+        return None
+    return ServiceError("validation", f"base_model: {to_tinker_path(path)} was trained on {run['base_model']!r}, "
+                        f"not {base_model!r}")
+
+
 def need(body: dict, name: str) -> Any:
     """A required field of a tinker body; a missing one is the client's error, never a 500."""
     if body.get(name) is None:
@@ -501,13 +522,10 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         user_id, b = user(request), body.model_dump()
         door.check_session(user_id, need(b, "session_id"))
         model_id = f"{need(b, 'session_id')}:train:{need(b, 'model_seq_id')}"
-        optimizer = (b.get("optimizer_config") or {}).get("type", "adamw")
         lora = {k: v for k, v in (b.get("lora_config") or {}).items()
                 if k in ("rank", "seed", "train_mlp", "train_attn", "train_unembed")}
-        if optimizer != "adamw":
-            rid = door.local_future(user_id, door._raise(ServiceError(
-                "validation", f"optimizer_config.type: TRIO supports 'adamw' only, got {optimizer!r}")))
-            return {"request_id": rid, "model_id": model_id}
+        if refusal := _not_adamw(b):
+            return {"request_id": door.local_future(user_id, door._raise(refusal)), "model_id": model_id}
         rid = door.submit(user_id, "create_model", {"base_model": need(b, "base_model"), "lora_config": lora},
                           f"tinker:{model_id}:create")
         door.remember(model_id, user_id, rid, b.get("user_metadata"))
@@ -616,6 +634,8 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         if b.get("session_id") is not None:  # a new training client from a checkpoint (its seq 0)
             door.check_session(user_id, need(b, "session_id"))
             model_id = f"{need(b, 'session_id')}:train:{need(b, 'model_seq_id')}"
+            if refusal := _not_adamw(b) or _other_base_model(core, user_id, path, b.get("base_model")):
+                return {"request_id": door.local_future(user_id, door._raise(refusal)), "model_id": model_id}
             rid = door.submit(user_id, "create_model_from_state", {"path": path, "with_optimizer": bool(b.get("optimizer"))},
                               f"tinker:{model_id}:create")
             door.remember(model_id, user_id, rid, b.get("user_metadata"))

@@ -400,3 +400,24 @@ def test_tinker_and_pytrio_users_share_one_forward_backward_pass(server, alice):
     finally:
         engine.forward_backward = real
     assert calls == [2], calls
+
+
+def test_a_client_from_a_state_refuses_another_optimizer_or_base_model(alice):
+    """create_training_client_from_state(path, optimizer=..., base_model=...): both were
+    ignored (a Dimuon run trained with AdamW), as create_model refuses them."""
+    session, model_id = alice.new_model()
+    saved = alice.result(alice.post("save_weights", {"model_id": model_id, "path": "from", "seq_id": 1}).json()["request_id"])
+    path = saved.json()["path"]
+
+    def from_state(seq: int, **extra) -> httpx.Response:
+        body = {"session_id": session, "model_seq_id": seq, "path": path, "optimizer": False, "type": "load_weights"}
+        return alice.result(alice.post("load_weights", body | extra).json()["request_id"])
+
+    dimuon = {"optimizer_config": {"type": "dimuon"}}
+    assert "'adamw' only, got 'dimuon'" in alice.result(
+        alice.post("create_model", {"session_id": session, "model_seq_id": 1, "base_model": TINY,
+                                    "type": "create_model", **dimuon}).json()["request_id"]).json()["error"]
+    assert "'adamw' only, got 'dimuon'" in from_state(2, **dimuon).json()["error"]
+    other = from_state(3, base_model="Qwen/Qwen3-8B").json()["error"]
+    assert f"base_model: {path} was trained on {TINY!r}, not 'Qwen/Qwen3-8B'" in other
+    assert from_state(4, base_model=TINY, optimizer_config={"type": "adamw"}).status_code == 200
