@@ -54,6 +54,9 @@ def _tensor(name: str, i: int, msg: Any) -> dict:
     where = f"data[{i}].loss_fn_inputs[{name!r}]"
     if msg.WhichOneof("encoding") == "sparse_csr":
         raise ServiceError("validation", f"{where}: sparse (top-k) tensors are not supported by TRIO; send dense 1-D tensors")
+    if len(msg.shape) > 1:
+        raise ServiceError("validation", f"{where}: shape {list(msg.shape)}: TRIO takes 1-D loss inputs (one value a "
+                           "token), not 2-D (top-k) ones")
     if msg.dtype == 4:
         raw = np.frombuffer(msg.dense, dtype="<u2").astype(np.uint32) << 16
         array = raw.view(np.float32)

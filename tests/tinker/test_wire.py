@@ -57,6 +57,15 @@ def test_text_config_and_sparse_inputs_are_refused_by_name():
         loss_config(msg)
 
 
+def test_a_two_dimensional_input_is_refused_as_such():
+    """The SDK's dense encoding of a top-k (tokens x k) input was refused as a length
+    mismatch ("length 8 differs from model_input length 4")."""
+    datum = tt.Datum(model_input=tt.ModelInput.from_ints([1, 2, 3, 4]),
+                     loss_fn_inputs={"target_tokens": np.array([[2, 9], [3, 9], [4, 9], [5, 9]], dtype=np.int64)})
+    with pytest.raises(ServiceError, match=r"data\[0\].loss_fn_inputs\['target_tokens'\]: shape \[4, 2\]: .*1-D"):
+        decode_datums(_request([datum]))
+
+
 def test_outputs_decode_with_the_sdk():
     result = {"loss_fn_outputs": [{"logprobs": {"data": [-1.0, -2.0]}, "elementwise_loss": {"data": [1.0, 2.0]}},
                                   {"logprobs": {"data": [-0.5]}, "elementwise_loss": {"data": [0.5]}}],
