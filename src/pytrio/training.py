@@ -157,9 +157,10 @@ class TrainingClient:
         logprobs = [torch.tensor(o["logprobs"].data, dtype=torch.float32, requires_grad=True) for o in out.loss_fn_outputs]
         self._in_loss_fn.active = True
         try:
-            loss, metrics = loss_fn(data, logprobs)
+            returned = loss_fn(data, logprobs)
         finally:
             self._in_loss_fn.active = False
+        loss, metrics = _loss_and_metrics(returned)
         if not torch.isfinite(loss.detach()).all():
             raise ValidationError(f"forward_backward_custom: loss_fn returned a non-finite loss ({loss.item()})")
         grads = torch.autograd.grad(loss, logprobs, allow_unused=True)
@@ -174,7 +175,7 @@ class TrainingClient:
                 "weights": t.TensorData.coerce((-g if g is not None else torch.zeros_like(lp)).tolist())})
             for d, g, lp in zip(data, grads, logprobs)
         ]
-        return weighted, float(loss.detach()), {k: float(v) for k, v in metrics.items()}
+        return weighted, float(loss.detach()), metrics
 
     def optim_step(self, adam_params: t.AdamParams | None = None) -> APIFuture[t.OptimStepResponse]:
         """Apply AdamW to the accumulated gradients, then clear them."""
@@ -328,6 +329,31 @@ class TrainingClient:
     def get_tokenizer(self) -> Any:
         """The base model's Hugging Face tokenizer (files come from the service)."""
         return run_sync(self.get_tokenizer_async())
+
+
+def _loss_and_metrics(returned: Any) -> tuple[Any, dict[str, float]]:
+    """A custom ``loss_fn``'s ``(loss, metrics)``, checked: the loss a 0-d torch tensor
+    that depends on the logprobs it was given, the metrics names to numbers."""
+    import torch
+
+    where = "forward_backward_custom: loss_fn"
+    if not (isinstance(returned, tuple) and len(returned) == 2):
+        raise ValidationError(f"{where} must return (loss, metrics), got {type(returned).__name__}")
+    loss, metrics = returned
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValidationError(f"{where}'s loss must be a 0-d torch tensor (e.g. a .sum() of the logprobs), got {got}")
+    if not loss.requires_grad:
+        raise ValidationError(f"{where}'s loss does not depend on the logprobs it was given: it has no gradient")
+    if not isinstance(metrics, Mapping):
+        raise ValidationError(f"{where}'s metrics must be a dict of name -> number, got {type(metrics).__name__}")
+    numbers = {}
+    for name, value in metrics.items():
+        try:
+            numbers[str(name)] = float(_scalar(value))
+        except (TypeError, ValueError, RuntimeError):
+            raise ValidationError(f"{where}'s metric {name!r} must be a number, got {value!r}") from None
+    return loss, numbers
 
 
 def _scalar(value: Any) -> Any:

@@ -222,3 +222,22 @@ def test_forward_backward_takes_a_function_as_loss_fn():
     backward = service.bodies[1]
     assert backward["loss_fn"] == "cross_entropy"
     assert backward["data"][0]["loss_fn_inputs"]["weights"]["data"] == [1.0, 1.0, 1.0]  # -d(-sum lp)/d lp
+
+
+@pytest.mark.parametrize(("loss_fn", "why"), [
+    (lambda data, lps: lps[0].sum(), r"must return \(loss, metrics\), got Tensor"),
+    (lambda data, lps: (lps[0], {}), r"loss must be a 0-d torch tensor .* got a tensor of shape \[3\]"),
+    (lambda data, lps: (1.5, {}), "loss must be a 0-d torch tensor .* got float"),
+    (lambda data, lps: (lps[0].detach().sum(), {}), "does not depend on the logprobs"),
+    (lambda data, lps: (lps[0].sum(), [1.0]), "metrics must be a dict of name -> number, got list"),
+    (lambda data, lps: (lps[0].sum(), {"m": lps[0].detach()}), "metric 'm' must be a number"),
+])
+def test_a_misused_custom_loss_is_a_validation_error_and_frees_its_place(loss_fn, why):
+    """Raw RuntimeError, AttributeError, TypeError and ValueError from inside the SDK
+    became ValidationErrors naming what loss_fn returned; later calls still go."""
+    service = FakeService()
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+    with pytest.raises(trio.ValidationError, match=why):
+        tc.forward_backward_custom([datum()], loss_fn).result(WAIT)
+    tc.optim_step().result(WAIT)
+    assert service.submits == [("forward", 0), ("optim_step", 1)]
