@@ -209,6 +209,9 @@ class ServiceCore:
         try:
             self.store = Store(db_url or f"sqlite:///{self.data_dir / 'trio.db'}")
             if self.owns_data_dir:
+                if holder := self.store.claim(f"trio pid {os.getpid()} on {socket.gethostname()}"):
+                    raise DataDirInUse(f"the database is in use by another TRIO service ({holder}); stop it, or "
+                                       "give this one another database")
                 self._recover()
                 if share_data_dir and self._data_dir_lock is not None:
                     share_lock(self._data_dir_lock)  # recovered: later sharers may join
@@ -778,6 +781,9 @@ class ServiceCore:
         self._unlock_data_dir()
 
     def _unlock_data_dir(self) -> None:
+        """Free the data dir, and the database ``Store.claim`` held."""
+        if (store := getattr(self, "store", None)) is not None:
+            store.release()
         if self._data_dir_lock is not None:
             self._data_dir_lock.close()  # the lock goes with the file
             self._data_dir_lock = None

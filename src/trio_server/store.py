@@ -128,6 +128,7 @@ def later(moment: str, seconds: float) -> str:
 
 
 KEY_ID_LEN = 12
+SERVICE_LOCK_KEY = 0x7472696F  # "trio": the PostgreSQL advisory lock of the service using the database
 
 
 def hash_key(key: str) -> str:
@@ -146,11 +147,44 @@ class Store:
         else:
             kwargs["pool_pre_ping"] = True
         self.retry_seconds = retry_seconds
+        self._claim: sa.Connection | None = None
         self.engine = sa.create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         metadata.create_all(self.engine)
         _add_missing_columns(self.engine)
+
+    # -- one service per database ---------------------------------------------------
+
+    def claim(self, holder: str) -> str | None:
+        """Hold this PostgreSQL database for one service's life: None, or who holds it.
+
+        Two services on one database (each with its own data dir, so the data-dir lock
+        does not see it) would fail each other's in-flight requests and delete each
+        other's sampler weights at start-up. A session advisory lock on a connection kept
+        open is freed by the server however this process ends; ``holder`` names us to a
+        second one (as the connection's application_name). SQLite: nothing to do, the
+        database lives in the data dir, whose lock guards it."""
+        if self.engine.dialect.name != "postgresql":
+            return None
+        connection = self.engine.connect()
+        connection.execute(sa.text("SELECT set_config('application_name', :name, false)"), {"name": holder[:63]})
+        if connection.execute(sa.text("SELECT pg_try_advisory_lock(:key)"), {"key": SERVICE_LOCK_KEY}).scalar():
+            connection.commit()
+            self._claim = connection
+            return None
+        held_by = connection.execute(sa.text(
+            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'advisory' AND l.objid = :key AND l.granted"), {"key": SERVICE_LOCK_KEY}).scalar()
+        connection.invalidate()  # not back to the pool: it carries our application_name
+        return held_by or "another session"
+
+    def release(self) -> None:
+        """Give up ``claim``'s hold: its connection is closed, not returned to the pool,
+        whose connections keep their sessions and so would keep the lock."""
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim.invalidate()
 
     # -- api keys -------------------------------------------------------------------
     def create_api_key(self, name: str, budget_tokens: int | None = None) -> str:

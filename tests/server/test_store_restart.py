@@ -113,3 +113,16 @@ def test_a_postgres_restart_under_load_loses_no_accepted_request(pg_url, tmp_pat
         assert fresh.forward([datum()]).result(timeout=120).metrics["loss:sum"] > 0
     finally:
         core.close()
+
+
+def test_a_second_service_on_one_database_is_refused_until_the_first_stops(pg_url, tmp_path):
+    """Each service has its own data dir, so the data-dir lock does not see a second one
+    on the same database; its start-up recovery would fail the first one's in-flight
+    requests and delete its sampler weights."""
+    from trio_server.errors import DataDirInUse
+
+    first = ServiceCore(tmp_path / "a", db_url=pg_url, dtype="float32")
+    with pytest.raises(DataDirInUse, match=rf"database is in use by another TRIO service \(trio pid {os.getpid()} on "):
+        ServiceCore(tmp_path / "b", db_url=pg_url, dtype="float32")
+    first.close()
+    ServiceCore(tmp_path / "b", db_url=pg_url, dtype="float32").close()  # its hold went with it
