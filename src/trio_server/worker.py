@@ -258,7 +258,20 @@ class HostWorker:
             self.cond.notify()
         self.thread.join(30)
         self.answers.close(60)
+        if not self.thread.is_alive():  # else a batch still runs: its runs are not ours to move
+            self._keep_pending_gradients()
         self.engine.close()
+
+    def _keep_pending_gradients(self) -> None:
+        """At a graceful stop, a run holding the gradients of forward_backward calls since
+        its last step goes to disk with them, as an idle one does, so the restarted service
+        steps on them (it used to drop them and refuse the run's next step as lost)."""
+        for run_id in list(self.last_used):
+            if self.ctx.unstepped.get(run_id):
+                try:
+                    self.engine.offload(run_id)
+                except Exception as exc:  # the next step says what was lost, as after a crash
+                    log.warning("run %s: its pending gradients could not be kept at stop: %s", run_id, exc)
 
     def _loop(self) -> None:
         while True:

@@ -353,6 +353,30 @@ def test_a_step_whose_snapshot_landed_but_not_its_record_is_answered_done_after_
     after.close()
 
 
+def test_a_graceful_stop_keeps_pending_gradients_for_the_next_step(tmp_path):
+    """A SIGTERM (``close``) after forward_backward calls and before their step: the run
+    goes to disk with its gradients, and the restarted service's step equals the one the
+    first would have made (it was refused, the calls counted as lost)."""
+    reference = ServiceCore(tmp_path / "ref", dtype="float32")
+    ref = trainer(reference)
+    stopped = ServiceCore(tmp_path / "run", dtype="float32")
+    tc = trainer(stopped)
+    for client in (ref, tc):
+        for _ in range(2):
+            client.forward_backward([DATUM]).result()
+    want = ref.optim_step(trio.AdamParams(learning_rate=1e-2)).result().metrics
+    want_logprobs = ref.forward([DATUM]).result().loss_fn_outputs[0]["logprobs"].tolist()
+    reference.close()
+    stopped.close()
+
+    after = ServiceCore(tmp_path / "run", dtype="float32")
+    tc._session.transport = LocalTransport(after)
+    got = tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result().metrics
+    assert got["step"] == 1 and got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
+    assert tc.forward([DATUM]).result().loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(want_logprobs, abs=1e-6)
+    after.close()
+
+
 def test_an_optim_step_after_a_service_restart_lost_its_gradients_is_refused_too(tmp_path):
     """A restart of the whole service loses the gradients in memory as an actor restart
     does: the calls since the run's last step are counted from the store at start-up, and
@@ -367,6 +391,7 @@ def test_an_optim_step_after_a_service_restart_lost_its_gradients_is_refused_too
                                              loss_fn_inputs={"target_tokens": [5]})])  # refused: not counted
     with pytest.raises(trio.TrioError):
         failed.result()
+    before.workers[MODEL].engine.host.zero_grad(tc.model_id)  # a crash: the gradients in memory are gone
     before.close()
 
     after = ServiceCore(tmp_path, dtype="float32")
