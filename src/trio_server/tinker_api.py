@@ -801,5 +801,14 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         return {"base_model": run["base_model"] if run else "", "is_lora": True, "lora_rank": lora.rank,
                 "train_unembed": lora.train_unembed, "train_mlp": lora.train_mlp, "train_attn": lora.train_attn}
 
+    @r.api_route("/{route:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    def not_served(route: str, request: Request) -> dict:
+        """Last: what no route above takes (tinker's billing, audit log, storage usage,
+        session search, projects and trace export, copy_weights, ...) is named as not
+        served, where it got a bare 404 or 405."""
+        user(request)
+        raise ServiceError("not_found", f"{request.method} /api/v1/{route}: this part of the tinker API is not served "
+                           "by TRIO (its README lists what is)", 404)
+
     return r
 

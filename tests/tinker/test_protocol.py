@@ -421,3 +421,11 @@ def test_a_client_from_a_state_refuses_another_optimizer_or_base_model(alice):
     other = from_state(3, base_model="Qwen/Qwen3-8B").json()["error"]
     assert f"base_model: {path} was trained on {TINY!r}, not 'Qwen/Qwen3-8B'" in other
     assert from_state(4, base_model=TINY, optimizer_config={"type": "adamw"}).status_code == 200
+
+
+def test_routes_not_served_are_named_as_such(alice):
+    """tinker's account features got a bare {'detail': 'Not Found'} (or a 405)."""
+    for reply in (alice.post("copy_weights", {}), alice.post("sessions/search", {}),
+                  alice.get("sessions/s-1/trace_export"), alice.get("no/such/route")):
+        assert reply.status_code == 404 and "not served by TRIO" in reply.text, reply.text
+    assert httpx.post(alice.url + "copy_weights", json={}).status_code == 401  # still a key first
