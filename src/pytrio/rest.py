@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from . import types as t
+from .errors import validated
 from .futures import on_background, sync_twin
 from .session import Session
 
@@ -68,8 +69,11 @@ class RestClient:
         None keeps it until deleted. Returns it with its new ``expires_at``.
 
         Raises:
+            ValidationError: a TTL that is not a whole number of seconds from 1 to ten
+                years, at the call (nothing is sent), as ``save_state``'s.
             NotFoundError: no such checkpoint of yours (or it has expired already).
         """
+        ttl_seconds = validated(t.CheckpointTTL, ttl_seconds=ttl_seconds).ttl_seconds
         return await on_background(self._transport.set_checkpoint_ttl(path, ttl_seconds))
 
     async def download_checkpoint_archive_async(self, path: str, dest: str | Path = ".", progress: bool = True) -> Path:

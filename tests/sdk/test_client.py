@@ -389,8 +389,10 @@ def test_a_checkpoint_with_a_ttl_lists_when_it_expires_and_is_removed_once_it_ha
     assert rest.set_checkpoint_ttl(kept, None).expires_at is None  # kept until deleted again
     with pytest.raises(trio.ValidationError, match="ttl_seconds"):
         tc.save_state("bad", ttl_seconds=0)
-    with pytest.raises(trio.ValidationError, match="ttl_seconds"):
-        rest.set_checkpoint_ttl(kept, 0)
+    for bad in (0, -1, 1.5, "60"):  # refused at the call, nothing sent: no status, no request id
+        with pytest.raises(trio.ValidationError, match="ttl_seconds") as err:
+            rest.set_checkpoint_ttl(kept, bad)
+        assert (err.value.status_code, err.value.request_id) == (None, None)
     sampler = service.create_sampling_client(model_path=kept)
     with pytest.raises(trio.NotFoundError):
         rest.set_checkpoint_ttl(kept.replace("kept", "other"), 60)
