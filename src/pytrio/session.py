@@ -11,7 +11,8 @@ every ``QUEUE_NOTICE_EVERY`` seconds while it stays queued::
 It is logged at WARNING so that it shows with no logging set up (Python prints WARNING
 and above to stderr by default; pytrio installs no handler). Silence it with
 ``logging.getLogger("pytrio.queue").setLevel(logging.ERROR)``. A request that is
-running, not queued, prints nothing.
+running, not queued, prints nothing; nor does one queued only behind the same user's
+earlier calls (a pipelined loop waits for itself, and knows it).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ class QueueNotice:
         if now < self.due:
             return None
         self.due = now + self.every
-        if state.queue_position is None or state.queue_state == "running":
-            return None
+        if state.queue_position is None or state.queue_state == "running" or state.others_ahead == 0:
+            return None  # running, or waiting only behind this user's own earlier calls
         eta = ("no start estimate yet" if state.starts_in_seconds is None
                else f"starts in ~{state.starts_in_seconds:.0f} s")
         return (f"pytrio: request {self.request_id} queued: position {state.queue_position}, {eta} "

@@ -676,6 +676,7 @@ class FutureResponse(_Model):
     # should start, in seconds from now (None: no estimate yet). See trio_server/queueing.py.
     queue_position: int | None = None
     starts_in_seconds: float | None = None
+    others_ahead: int | None = None  # of queue_position, other users' requests (None: not said)
 
 
 class SubmitResponse(_Model):

@@ -114,6 +114,7 @@ class Outcome:
     queue_state: str | None = None
     queue_position: int | None = None
     starts_in_seconds: float | None = None
+    others_ahead: int | None = None
 
     @classmethod
     def pending(cls, info: QueueInfo | None) -> Outcome:
@@ -121,14 +122,16 @@ class Outcome:
         if info is None:
             return cls("pending", queue_state="running")
         starts_in = None if info.starts_in is None else round(info.starts_in, 1)
-        return cls("pending", queue_state=describe(info), queue_position=info.position, starts_in_seconds=starts_in)
+        return cls("pending", queue_state=describe(info), queue_position=info.position, starts_in_seconds=starts_in,
+                   others_ahead=info.others_ahead)
 
     def to_json(self, request_id: str) -> str:
         """The FutureResponse body, splicing in the result exactly as it was stored."""
         head: dict[str, Any] = {"request_id": request_id, "status": self.status, "queue_state": self.queue_state,
                 "error": self.error.model_dump() if self.error else None}
         if self.status == "pending":
-            head.update(queue_position=self.queue_position, starts_in_seconds=self.starts_in_seconds)
+            head.update(queue_position=self.queue_position, starts_in_seconds=self.starts_in_seconds,
+                        others_ahead=self.others_ahead)
         body = dumps(head)
         return body[:-1] + ',"result":' + (self.result_json or "null") + "}"
 

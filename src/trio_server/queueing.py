@@ -6,6 +6,8 @@ Pure functions and one small record of recent execution times; the worker feeds 
     position   the requests of the same model host that run before it: those running
                now plus those queued earlier (arrival order). 0 for a request that is
                next, or is running itself.
+    others_ahead  of those, other users' (the SDK tells a wait behind others apart from
+               one behind the user's own pipelined calls).
     starts_in  seconds until it should start: what remains of the running batch's
                expected time, plus the expected time of each earlier queued request.
                An operation's expected time is the mean of its last ``KEEP`` batches on
@@ -32,6 +34,7 @@ class QueueInfo:
     running: bool
     position: int
     starts_in: float | None  # seconds; None: no estimate
+    others_ahead: int = 0  # of ``position``, other users' requests (the rest are this user's own)
 
 
 class OpDurations:

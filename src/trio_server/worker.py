@@ -155,7 +155,7 @@ class HostWorker:
         self.idle_offload_seconds = idle_offload_seconds
         self.max_resident_runs = max_resident_runs  # None: only idleness sends runs to disk
         self.pending: list[WorkItem] = []
-        self.running: set[str] = set()
+        self.running: dict[str, str] = {}  # request id -> its user
         self.running_op = ""  # the op of the running batch (when ``running``)
         self.cond = threading.Condition()
         self._stopped = False
@@ -244,13 +244,16 @@ class HostWorker:
             item = next((i for i in self.pending if i.request_id == request_id), None)
             if item is None:
                 return None
-            ahead = [i.op for i in self.pending if i.arrival < item.arrival]
+            earlier = [i for i in self.pending if i.arrival < item.arrival]
+            ahead = [i.op for i in earlier]
             running_op, running_for = None, 0.0  # nothing running: nothing left of it
             if self.running:
                 running_op = self.running_op
                 running_for = (time.monotonic() if now is None else now) - self.batch_started
+            others = sum(user != item.user_id for user in [*self.running.values(), *(i.user_id for i in earlier)])
             return QueueInfo(running=False, position=len(self.running) + len(ahead),
-                             starts_in=estimate_start(self.durations, ahead, running_op, running_for))
+                             starts_in=estimate_start(self.durations, ahead, running_op, running_for),
+                             others_ahead=others)
 
     def stop(self) -> None:
         with self.cond:
@@ -335,7 +338,7 @@ class HostWorker:
         Nothing raises past ``_execute`` and ``decode``'s catch but a bug in answering, which
         ends the worker's thread: what it leaves in ``running`` is moot then."""
         with self.cond:
-            self.running.discard(item.request_id)
+            self.running.pop(item.request_id, None)
             self._seen([item.user_id])
 
     def _part_done(self, split: Split, result: Result) -> None:
@@ -379,7 +382,7 @@ class HostWorker:
             for item in work.admit + work.batch:
                 self.pending.remove(item)
                 self.queued_at.pop(item.request_id, None)
-                self.running.add(item.request_id)
+                self.running[item.request_id] = item.user_id
             if work.batch:
                 self.running_op, self.batch_started = work.batch[0].op, time.monotonic()
             return work.admit, work.batch

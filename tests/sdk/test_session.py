@@ -246,7 +246,7 @@ def test_pending_polls_again_at_once_with_the_long_poll_timeout(clock):
 
 def test_a_long_queued_wait_logs_its_position_and_start_once_then_every_30_s(clock, caplog):
     """Broken on purpose once (line() always None): no lines, and this test failed."""
-    queued = {"queue_state": "queued (position 3)", "queue_position": 3, "starts_in_seconds": 12.4}
+    queued = {"queue_state": "queued (position 3)", "queue_position": 3, "starts_in_seconds": 12.4, "others_ahead": 1}
     transport = FlakyTransport(pending=4, queued=queued, long_poll=clock.advance)
     with caplog.at_level("WARNING", logger="pytrio.queue"):
         optim_step(transport)
@@ -255,10 +255,12 @@ def test_a_long_queued_wait_logs_its_position_and_start_once_then_every_30_s(clo
                      for s in (10, 40, 70, 100)]
 
 
-def test_a_running_request_or_a_short_wait_logs_nothing(clock, caplog):
+def test_a_running_request_a_short_wait_or_one_behind_the_users_own_calls_logs_nothing(clock, caplog):
     running = {"queue_state": "running", "queue_position": 0, "starts_in_seconds": 0.0}
+    own = {"queue_state": "queued (position 3)", "queue_position": 3, "starts_in_seconds": 12.4, "others_ahead": 0}
     with caplog.at_level("WARNING", logger="pytrio.queue"):
         optim_step(FlakyTransport(pending=3, queued=running, long_poll=clock.advance))
+        optim_step(FlakyTransport(pending=4, queued=own, long_poll=clock.advance))  # a pipelined loop's wait
         optim_step(FlakyTransport(pending=3, queued={"queue_state": "queued (position 1)", "queue_position": 1}))
     assert [r for r in caplog.records if r.name == "pytrio.queue"] == []  # the second: no time passed
 

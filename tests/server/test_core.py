@@ -225,6 +225,8 @@ def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
     svc = trio.ServiceClient(transport=LocalTransport(core))
     runs = [svc.create_lora_training_client(base_model=MODEL, rank=2, seed=k).model_id for k in range(3)]
     transport = svc._session.transport
+    bob = trio.ServiceClient(transport=LocalTransport(core, "bob"))
+    bobs_run, bobs = bob.create_lora_training_client(base_model=MODEL, rank=2).model_id, bob._session.transport
     datum = DATUM
     worker = core.workers[MODEL]
     worker.durations.record("forward", 5.0)
@@ -236,6 +238,8 @@ def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
         ids = [forward(runs[0])]
         wait_until(lambda: bool(worker.running), "the first forward to run")
         ids += [forward(run_id) for run_id in runs[1:]]
+        bobs_id = run_sync(bobs.submit("forward", t.ForwardRequest(model_id=bobs_run, seq=0, data=[datum]), None))
+        bobs_state = run_sync(bobs.retrieve(bobs_id, 0))
         states = [run_sync(transport.retrieve(rid, 0)) for rid in ids]
         at = worker.batch_started + 1.0  # the same at a fixed moment, 1 s into the running batch: exact
         infos = [worker.queue_info(rid, now=at) for rid in ids]
@@ -244,9 +248,12 @@ def test_a_pending_request_reports_its_place_in_the_queue(tmp_path):
     assert infos == [QueueInfo(running=True, position=0, starts_in=0.0),
                      QueueInfo(running=False, position=1, starts_in=4.0),
                      QueueInfo(running=False, position=2, starts_in=9.0)]
+    assert [s.others_ahead for s in states] == [0, 0, 0]  # behind this user's own calls only
+    assert (bobs_state.queue_position, bobs_state.others_ahead) == (3, 3)
     starts = [s.starts_in_seconds for s in states]
     assert starts[0] == 0.0 and 0.0 <= starts[1] <= 5.0 and 0.0 < starts[2] - starts[1] <= 5.1, starts
     assert all(run_sync(transport.retrieve(rid, 60)).status == "done" for rid in ids)
+    assert run_sync(bobs.retrieve(bobs_id, 60)).status == "done"
     assert worker.queued_at == {}  # what left the queue took its queue time along (no leak)
     core.close()
 
