@@ -373,10 +373,10 @@ def write_folder(folder: str | Path, fill: Callable[[Path], None]) -> None:
         tmp.mkdir()
         fill(tmp)
         for path in tmp.iterdir():
-            _fsync(path)
-        _fsync(tmp)
+            fsync_path(path)
+        fsync_path(tmp)
         _swap_in(tmp, folder, old)
-        _fsync(folder.parent)
+        fsync_path(folder.parent)
     except OSError as exc:
         raise CheckpointWriteError(str(folder), exc) from exc
     except SafetensorError as exc:  # safetensors' own type for an OS error while it writes
@@ -427,7 +427,7 @@ def recover_folders(parent: str | Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """Flush a file's or a folder's (its entries') data to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:

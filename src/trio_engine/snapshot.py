@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from .checkpoint import fsync_path
 from .lora import LoraConfig
 from .optim import AdamState
 
@@ -127,6 +128,7 @@ def write(path: str | Path, snap: Snapshot) -> None:
     try:
         write_file(tmp, image)
         os.replace(tmp, path)
+        fsync_path(path.parent)  # the rename too is on the disk before the step is answered
     finally:
         tmp.unlink(missing_ok=True)
 

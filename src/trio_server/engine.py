@@ -85,6 +85,10 @@ def written_before_it_died(snapshot_dir: str, write: Durability) -> None:
                            f"(which holds step {on_disk})")
 
 
+class SnapshotUnreadable(RuntimeError):
+    """A run's snapshot file is damaged: the run cannot come back into memory."""
+
+
 class SnapshotLost(RuntimeError):
     """The engine that was to write a change died first: the change is gone."""
 
@@ -134,6 +138,8 @@ def failure_from(exc: BaseException) -> Failure:
     # ValueError from deep inside torch or numpy included, is ours: a 500, logged.
     if isinstance(exc, InvalidInputError | ModelNotAvailableError | FileNotFoundError):
         return Failure("validation", str(exc))
+    if isinstance(exc, SnapshotUnreadable):
+        return Failure("server", str(exc))
     return Failure("server", f"{type(exc).__name__}: {exc}")
 
 
@@ -415,8 +421,13 @@ class LocalEngine:
                 continue
             path = snapshot_path(self.settings.snapshot_dir, run_id)
             if path.exists():
-                snap = snapshot.read(path)
-                snapshot.restore(host, run_id, snap)
+                try:
+                    snap = snapshot.read(path)
+                    snapshot.restore(host, run_id, snap)
+                except Exception as exc:  # named, where a bare SafetensorError said nothing of what or why
+                    raise SnapshotUnreadable(
+                        f"run {run_id}: its snapshot {path} cannot be read ({type(exc).__name__}: {exc}); go on "
+                        "from a checkpoint: load_state into this run, or a new client from it") from exc
                 log.info("run %s restored from its snapshot at step %d", run_id, snap.step)
                 if any(k.startswith("grad.") for k in snap.tensors):
                     # Pending grads now live in memory. The file goes back to the completed step

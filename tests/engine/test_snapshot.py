@@ -98,6 +98,19 @@ def test_a_failed_write_leaves_the_previous_snapshot_whole(tiny_host, new_id, tm
     assert [p.name for p in tmp_path.iterdir()] == ["run.safetensors"]  # no temporary left
 
 
+def test_a_write_is_on_disk_rename_included_before_it_returns(tiny_host, new_id, tmp_path, monkeypatch):
+    """The file is fsynced, then renamed into place, then its folder fsynced: without the
+    last, a power loss after the step's answer could undo the rename (the step lost)."""
+    aid = new_id()
+    trained(tiny_host, aid, steps=1, pending=False)
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    path = tmp_path / "run.safetensors"
+    snapshot.write(path, snapshot.capture(tiny_host, aid))
+    assert synced[-1] == str(tmp_path) and synced[-2].endswith(".tmp")  # the file, then after the rename its folder
+    assert snapshot.read(path).step == 1
+
+
 def test_a_snapshot_of_another_base_model_is_refused(tiny_host, qwen_host, new_id, tmp_path):
     aid = new_id()
     trained(tiny_host, aid, steps=1, pending=False)

@@ -297,6 +297,21 @@ def test_a_restore_with_grads_rewrites_the_file_before_the_call_goes_on(engine, 
         held.set()
 
 
+def test_a_damaged_snapshot_fails_its_run_naming_the_file_and_the_way_on(engine, tmp_path):
+    engine.create_adapter("run-f", LoraConfig(rank=2, seed=2))
+    engine.offload("run-f")
+    path = snapshot_path(engine.settings.snapshot_dir, "run-f")
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    [failure] = engine.forward([job("run-f")])
+    assert isinstance(failure, Failure) and failure.category == "server"
+    assert f"run run-f: its snapshot {path} cannot be read" in failure.message and "load_state" in failure.message
+    folder = str(tmp_path / "state")
+    engine.create_adapter("run-g", LoraConfig(rank=2, seed=2))
+    engine.save_state("run-g", folder)
+    engine.load_state("run-f", folder, with_optimizer=True)  # the way on: the run works again
+    assert not isinstance(engine.forward([job("run-f")])[0], Failure)
+
+
 def test_a_batch_keeps_all_its_sampler_weights_loaded_and_deleted_weights_fail(engine, tmp_path):
     import dataclasses
 
