@@ -117,3 +117,25 @@ def test_a_second_server_on_a_data_dir_or_a_missing_device_is_refused_at_start(t
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="trio serve: device: 'cuda' requested but CUDA is not available"):
             cli.main(["serve", "--port", "0", "--data-dir", str(tmp_path / "other"), "--device", "cuda"])
+
+
+def test_a_data_dir_that_cannot_be_written_is_a_one_line_error(tmp_path, monkeypatch):
+    """A read-only file system (or another user's folder) gave a traceback from the lock
+    file's open; it is one line naming the path. (Root may write anywhere, and mounting a
+    read-only file system needs root: the open fails here as it does there.)"""
+    import builtins
+    import errno
+
+    from trio_server import cli
+
+    real_open = builtins.open
+
+    def read_only(file, *args, **kwargs):
+        if str(file).endswith("trio.lock"):
+            raise OSError(errno.EROFS, "Read-only file system", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", read_only)
+    with pytest.raises(SystemExit, match=r"trio serve: cannot write .*/data/trio.lock: Read-only file system; give a "
+                                         "writable --data-dir"):
+        cli.main(["serve", "--port", "0", "--data-dir", str(tmp_path / "data")])
