@@ -82,7 +82,7 @@ class TrainingClient:
     ) -> APIFuture[t.ForwardBackwardOutput]:
         """Logprobs and losses for ``data``; no gradients."""
         return self._submit("forward", t.ForwardRequest, t.ForwardBackwardOutput,
-                            data=list(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+                            data=_datums(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config)
 
     def forward_backward(
         self, data: Sequence[t.Datum], loss_fn: LossFn = "cross_entropy",
@@ -107,7 +107,7 @@ class TrainingClient:
                 raise ValidationError("loss_fn_config: a custom loss_fn takes no config; close over it instead")
             return self.forward_backward_custom(data, loss_fn)
         return self._submit("forward_backward", t.ForwardRequest, t.ForwardBackwardOutput,
-                            data=list(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+                            data=_datums(data), loss_fn=loss_fn, loss_fn_config=loss_fn_config)
 
     def forward_backward_custom(self, data: Sequence[t.Datum], loss_fn: CustomLossFn) -> APIFuture[t.ForwardBackwardOutput]:
         """Train on any differentiable function of the per-datum logprobs.
@@ -127,7 +127,7 @@ class TrainingClient:
         the SDK (a sampler, another client). It may not call this client's ordered
         operations: they would queue behind this very backward (ValidationError).
         """
-        data = validated(t.ForwardRequest, model_id=self.model_id, seq=0, data=list(data)).data
+        data = validated(t.ForwardRequest, model_id=self.model_id, seq=0, data=_datums(data)).data
         targets_only = [
             t.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
             for d in data
@@ -329,6 +329,14 @@ class TrainingClient:
     def get_tokenizer(self) -> Any:
         """The base model's Hugging Face tokenizer (files come from the service)."""
         return run_sync(self.get_tokenizer_async())
+
+
+def _datums(data: Sequence[t.Datum]) -> list[t.Datum]:
+    """``data`` as a list. One Datum alone is refused naming the fix: ``list()`` of it gave
+    its fields, refused as "data[0]: ... (got ('model_input', ...))"."""
+    if isinstance(data, t.Datum):
+        raise ValidationError("data: a list of Datum, got one Datum; pass [datum]")
+    return list(data)
 
 
 def _loss_and_metrics(returned: Any) -> tuple[Any, dict[str, float]]:

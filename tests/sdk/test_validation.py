@@ -52,6 +52,14 @@ def test_a_datum_without_target_tokens_names_its_index():
     assert transport.submits == []
 
 
+def test_one_datum_where_a_list_is_due_says_so():
+    tc, transport = client()
+    for call in (tc.forward, tc.forward_backward, lambda d: tc.forward_backward_custom(d, lambda *_: None)):
+        with pytest.raises(trio.ValidationError, match=r"data: a list of Datum, got one Datum; pass \[datum\]"):
+            call(good())
+    assert transport.submits == []
+
+
 def test_a_bad_input_in_a_request_names_datum_field_and_value():
     tc, transport = client()
     as_dict = {"model_input": {"chunks": [{"tokens": [1, 2, 3]}]},
