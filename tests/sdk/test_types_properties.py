@@ -51,12 +51,13 @@ def data(draw):
 
 sampling_params = st.builds(
     t.SamplingParams, max_tokens=int64, temperature=finite, top_k=int64, top_p=finite,
-    stop=st.one_of(st.none(), st.text(), st.lists(st.text(), max_size=3), st.lists(int64, max_size=3)),
-    ignore_eos=st.booleans(), seed=st.one_of(st.none(), int64))
+    stop=st.one_of(st.none(), st.text(min_size=1), st.lists(st.text(min_size=1), max_size=3), st.lists(int64, max_size=3)),
+    ignore_eos=st.booleans(), seed=st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)))
 non_negative = st.floats(min_value=0, allow_nan=False, allow_infinity=False)
 below_one = st.floats(min_value=0, max_value=1, exclude_max=True)
 adam_params = st.builds(t.AdamParams, learning_rate=non_negative, beta1=below_one, beta2=below_one,
-                        eps=non_negative, weight_decay=non_negative, grad_clip_norm=non_negative)
+                        eps=st.floats(min_value=t.FP32_TINY, allow_infinity=False), weight_decay=non_negative,
+                        grad_clip_norm=non_negative)
 forward_outputs = st.builds(
     t.ForwardBackwardOutput,
     loss_fn_outputs=st.lists(st.dictionaries(st.sampled_from(["logprobs", "elementwise_loss"]),
