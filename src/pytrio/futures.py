@@ -73,7 +73,16 @@ class APIFuture(Generic[T]):
         # cancellation reached the operation's own future, whose request had been sent and
         # still ran (its gradient applied at the next step) while every later ``result()``
         # raised CancelledError.
-        return asyncio.shield(asyncio.wrap_future(self._future)).__await__()
+        # A wait abandoned so leaves its copy of the outcome unread: read here, or an
+        # operation failing later logs "Future exception was never retrieved".
+        inner = asyncio.wrap_future(self._future)
+        inner.add_done_callback(_retrieved)
+        return asyncio.shield(inner).__await__()
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def schedule(coro: Coroutine[Any, Any, T]) -> APIFuture[T]:

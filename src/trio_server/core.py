@@ -247,32 +247,34 @@ class ServiceCore:
         # their gradients were in this process's memory: the runs' next steps say so
         self.lost_calls.update(self.store.calls_since_last_step())
         max_seq = self.store.max_seq_by_run()
-        for run in runs:
+        for run in self.store.select(runs_table):  # again: a landed step's answer moved its step
             self.next_seq[run["run_id"]] = max(run["next_seq"], max_seq.get(run["run_id"], -1) + 1)
             self._reconcile_step(run)
 
     def _answer_landed_steps(self, run: dict) -> None:
-        """A step is answered, and its record stored, once its snapshot is written: a crash
-        between the write and the record leaves the step made but its request pending.
-        Failed as in flight ("submit it again"), the client would apply its batch twice,
-        and the calls before it would count as lost. So the run's first pending optim_steps,
-        as many as its snapshot is ahead of the store, are answered done; the last with the
-        metrics the snapshot kept (an earlier one, coalesced into the same write, with its
-        step number alone)."""
+        """A step is answered, its number stored with the answer, once its snapshot is
+        written: a crash between the write and the answer leaves the step made but its
+        request pending. Failed as in flight ("submit it again"), the client would apply
+        its batch twice, and the calls before it would count as lost. A run's next call
+        runs only once its step is answered, so only the run's first pending request can
+        have run: if it is an optim_step and the snapshot is one step ahead of the store,
+        it landed, and is answered done with the metrics the snapshot kept. (A snapshot
+        ahead after a load_weights is the load's: that request fails as in flight, and the
+        store takes the snapshot's step, ``_reconcile_step``.)"""
         from trio_engine import snapshot
 
         landed = snapshot.last_step(snapshot_path(self.engine_settings.snapshot_dir, run["run_id"]))
-        if landed is None or landed[0] <= run["step"]:
+        pending = self.store.select(requests_table, run_id=run["run_id"], status="pending")
+        first = min(pending, key=lambda row: row["seq"] if row["seq"] is not None else -1, default=None)
+        if landed is None or first is None or first["op"] != "optim_step" or landed[0] != run["step"] + 1:
             return
         step, metrics = landed
-        pending = sorted(self.store.select(requests_table, run_id=run["run_id"], op="optim_step", status="pending"),
-                         key=lambda row: row["seq"])
-        for n, row in enumerate(pending[: step - run["step"]], start=run["step"] + 1):
-            answer = t.OptimStepResponse(metrics=metrics if n == step and metrics else {"step": float(n)})
-            self.store.update(requests_table, "request_id", row["request_id"], status="done",
-                              result=answer.model_dump_json())
-            log.warning("run %s: optim_step %s (step %d) was made before the restart: answered done",
-                        run["run_id"], row["request_id"], n)
+        answer = t.OptimStepResponse(metrics=metrics or {"step": float(step)})
+        self.store.update_together((requests_table, "request_id", first["request_id"],
+                                    {"status": "done", "result": answer.model_dump_json()}),
+                                   (runs_table, "run_id", run["run_id"], {"step": step}))
+        log.warning("run %s: optim_step %s (step %d) was made before the restart: answered done",
+                    run["run_id"], first["request_id"], step)
 
     def _reconcile_step(self, run: dict) -> None:
         """The run's step is stored once its snapshot is written: a crash between the two
@@ -643,13 +645,20 @@ class ServiceCore:
             log.exception("request=%s run=%s: counting its token usage failed", item.request_id, item.run_id)
 
     def _store_outcome(self, item: WorkItem, outcome: Outcome) -> None:
+        """The request's outcome and its run's next seq, and the step a done optim_step
+        made, in one transaction (see ``_answer_landed_steps``)."""
         if outcome.error is None:
-            self.store.update(requests_table, "request_id", item.request_id, status="done", result=outcome.result_json)
+            request: dict[str, Any] = {"status": "done", "result": outcome.result_json}
         else:
-            self.store.update(requests_table, "request_id", item.request_id, status="failed",
-                              error_category=outcome.error.category, error_message=outcome.error.message)
+            request = {"status": "failed", "error_category": outcome.error.category,
+                       "error_message": outcome.error.message}
+        run: dict[str, Any] = {}
         if item.run_id is not None and item.seq is not None:
-            self.store.update(runs_table, "run_id", item.run_id, next_seq=item.seq + 1, last_request_at=now())
+            run = {"next_seq": item.seq + 1, "last_request_at": now()}
+            if outcome.error is None and "step" in item.context:
+                run["step"] = item.context["step"]
+        self.store.update_together((requests_table, "request_id", item.request_id, request),
+                                   (runs_table, "run_id", item.run_id or "", run))
 
     def _forget_old(self, item: WorkItem) -> None:
         """Finished futures stay in memory for a while; after that the store answers."""

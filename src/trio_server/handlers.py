@@ -328,7 +328,11 @@ def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
         raise ServiceError("server", f"optim_step: the gradients of the {calls} forward_backward call(s) since the "
                            "run's last step were lost when its model host restarted; nothing changed. Run them "
                            "again, then optim_step", 500)
-    store = partial(_store_step, ctx, item, req.model_id, metrics, totals)
+    # The step's number is stored with its answer, in one transaction (ServiceCore._store_outcome):
+    # a crash between the two would leave one without the other, and recovery tells a step
+    # that landed from one that did not by the snapshot being ahead of the stored step.
+    item.context["step"] = int(metrics["step"])
+    store = partial(_store_step_metrics, ctx, item, req.model_id, metrics, totals)
     if write is None:
         store()
     else:  # stored once the step is on disk (worker.Answers): until then a crash undoes it
@@ -336,12 +340,11 @@ def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
     return t.OptimStepResponse(metrics=metrics)
 
 
-def _store_step(ctx: Context, item: WorkItem, run_id: str, optim_metrics: dict[str, float],
-                totals: StepTotals | None) -> None:
-    """Store the step optim_step made: its number, and its metrics unless no step was made
-    (with no gradients accumulated optim_step changes nothing, not even the step number)
-    or a call of the step could not be counted (partial sums would mislead)."""
-    ctx.store.update(runs_table, "run_id", run_id, step=int(optim_metrics["step"]))
+def _store_step_metrics(ctx: Context, item: WorkItem, run_id: str, optim_metrics: dict[str, float],
+                        totals: StepTotals | None) -> None:
+    """Store the metrics of the step optim_step made, unless no step was made (with no
+    gradients accumulated optim_step changes nothing, not even the step number) or a call
+    of the step could not be counted (partial sums would mislead)."""
     if totals is not None:
         _record(item, ctx.store.put_metrics, run_id, int(optim_metrics["step"]), "service", totals.finish(optim_metrics))
 

@@ -355,8 +355,18 @@ class Store:
         self._transaction(work)
 
     def update(self, table: sa.Table, key: str, key_value: str, **values: Any) -> None:
-        query = table.update().where(table.c[key] == key_value).values(**values)
-        self._transaction(lambda c: c.execute(query))
+        self.update_together((table, key, key_value, values))
+
+    def update_together(self, *updates: tuple[sa.Table, str, str, dict[str, Any]]) -> None:
+        """Several ``update``s (table, key column, key value, values) in one transaction."""
+        queries = [table.update().where(table.c[key] == key_value).values(**values)
+                   for table, key, key_value, values in updates if values]
+
+        def work(c: sa.Connection) -> None:
+            for query in queries:
+                c.execute(query)
+
+        self._transaction(work)
 
     def get(self, table: sa.Table, **where: Any) -> dict | None:
         rows = self.select(table, **where)

@@ -150,6 +150,27 @@ def test_cancelling_an_await_abandons_the_wait_not_the_operation():
     asyncio.run(main())
 
 
+def test_an_abandoned_wait_on_an_operation_that_fails_logs_nothing(caplog):
+    """The shielded wait's copy of the outcome is read even when nobody awaits it any more:
+    an operation failing after a wait_for timeout logged "Future exception was never
+    retrieved" when the copy was collected."""
+    import gc
+
+    async def main() -> None:  # the future is main's alone: gone with it, as a user's dropped one
+        raw: concurrent.futures.Future[int] = concurrent.futures.Future()
+        try:  # (not pytest.raises: its traceback would keep the copy alive past the check)
+            await asyncio.wait_for(APIFuture(raw), 0.05)
+        except asyncio.TimeoutError:
+            pass
+        raw.set_exception(trio.ServerError("it went wrong"))
+        await asyncio.sleep(0.05)  # the copy takes the outcome
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(main())
+        gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+
+
 async def _await(fut: APIFuture[Any]) -> Any:
     return await fut
 

@@ -360,6 +360,34 @@ def test_a_step_whose_snapshot_landed_but_not_its_record_is_answered_done_after_
     after.close()
 
 
+def test_a_snapshot_ahead_by_a_load_answers_no_step_that_did_not_run(tmp_path):
+    """load_state with the optimizer moves the snapshot to the checkpoint's step; a crash
+    before the load's record leaves the snapshot ahead of the store with an optim_step
+    queued behind the load. That step never ran: it fails as in flight, with the load."""
+    from pytrio.futures import run_sync
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    a = trainer(core)
+    for _ in range(3):
+        a.forward_backward([DATUM]).result()
+        a.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    path = a.save_state("s3").result().path
+    b = trainer(core, seed=1)
+    b.load_state_with_optimizer(path).result()
+    [load] = core.store.select(requests_table, run_id=b.model_id, op="load_weights")
+    core.close()
+    core.store.update(runs_table, "run_id", b.model_id, step=0)  # the load's record never written
+    core.store.update(requests_table, "request_id", load["request_id"], status="pending", result=None)
+    core.store.insert(requests_table, request_id="req-queued-step", user_id=load["user_id"], op="optim_step",
+                      run_id=b.model_id, seq=load["seq"] + 1, status="pending", created_at=load["created_at"])
+
+    after = ServiceCore(tmp_path, dtype="float32")
+    states = [run_sync(LocalTransport(after).retrieve(rid, 0)) for rid in (load["request_id"], "req-queued-step")]
+    assert [s.status for s in states] == ["failed", "failed"]
+    assert after.store.get(runs_table, run_id=b.model_id)["step"] == 3  # the snapshot's, as loaded
+    after.close()
+
+
 def test_a_graceful_stop_keeps_pending_gradients_for_the_next_step(tmp_path):
     """A SIGTERM (``close``) after forward_backward calls and before their step: the run
     goes to disk with its gradients, and the restarted service's step equals the one the
