@@ -25,6 +25,7 @@ import hmac
 import json
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -136,6 +137,7 @@ def hash_key(key: str) -> str:
 
 
 class Store:
+    claim_check_seconds = 10.0  # how often ``claim``'s connection is checked
     def __init__(self, url: str, retry_seconds: float = 60.0):
         """Args:
             url: a SQLAlchemy URL (``sqlite:///...`` or ``postgresql://...``).
@@ -147,7 +149,9 @@ class Store:
         else:
             kwargs["pool_pre_ping"] = True
         self.retry_seconds = retry_seconds
-        self._claim: sa.Connection | None = None
+        self._claim: sa.Connection | None = None  # ``claim``'s connection, holding the lock
+        self._claim_lock = threading.Lock()
+        self._released = threading.Event()
         self.engine = sa.create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -163,26 +167,68 @@ class Store:
         does not see it) would fail each other's in-flight requests and delete each
         other's sampler weights at start-up. A session advisory lock on a connection kept
         open is freed by the server however this process ends; ``holder`` names us to a
-        second one (as the connection's application_name). SQLite: nothing to do, the
-        database lives in the data dir, whose lock guards it."""
+        second one (as the connection's application_name). A PostgreSQL restart ends the
+        session too: a thread checks the connection every ``claim_check_seconds`` and takes
+        the lock again. SQLite: nothing to do, the database lives in the data dir, whose
+        lock guards it."""
         if self.engine.dialect.name != "postgresql":
             return None
+        held_by = self._take_claim(holder)
+        if held_by is None:
+            threading.Thread(target=self._keep_claim, args=(holder,), name="trio-db-claim", daemon=True).start()
+        return held_by
+
+    def _take_claim(self, holder: str) -> str | None:
         connection = self.engine.connect()
-        connection.execute(sa.text("SELECT set_config('application_name', :name, false)"), {"name": holder[:63]})
-        if connection.execute(sa.text("SELECT pg_try_advisory_lock(:key)"), {"key": SERVICE_LOCK_KEY}).scalar():
-            connection.commit()
-            self._claim = connection
-            return None
-        held_by = connection.execute(sa.text(
-            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE l.locktype = 'advisory' AND l.objid = :key AND l.granted"), {"key": SERVICE_LOCK_KEY}).scalar()
+        try:
+            connection.execute(sa.text("SELECT set_config('application_name', :name, false)"), {"name": holder[:63]})
+            if connection.execute(sa.text("SELECT pg_try_advisory_lock(:key)"), {"key": SERVICE_LOCK_KEY}).scalar():
+                connection.commit()
+                with self._claim_lock:
+                    self._claim = connection
+                return None
+            held_by = connection.execute(sa.text(  # advisory locks are per database: this one's
+                "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                "WHERE l.locktype = 'advisory' AND l.objid = :key AND l.granted "
+                "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"),
+                {"key": SERVICE_LOCK_KEY}).scalar()
+        except BaseException:
+            connection.invalidate()
+            raise
         connection.invalidate()  # not back to the pool: it carries our application_name
         return held_by or "another session"
+
+    def _keep_claim(self, holder: str) -> None:
+        while not self._released.wait(self.claim_check_seconds):
+            with self._claim_lock:
+                claim = self._claim
+                if claim is not None:
+                    try:
+                        claim.execute(sa.text("SELECT 1"))
+                        claim.rollback()  # no transaction left open on it
+                        continue
+                    except sa.exc.DBAPIError:
+                        claim.invalidate()
+                        self._claim = None
+            if self._released.is_set():
+                return
+            try:
+                held_by = self._take_claim(holder)
+            except sa.exc.DBAPIError as exc:  # the database is still down: the next check tries again
+                log.warning("the database claim was lost and cannot be taken again yet: %s", exc)
+                continue
+            if held_by is not None:
+                log.error("the database claim was lost (PostgreSQL restarted?) and another TRIO service holds "
+                          "the database now (%s): two services on one database fail each other's requests", held_by)
+            else:
+                log.warning("the database claim was lost (PostgreSQL restarted?) and is taken again")
 
     def release(self) -> None:
         """Give up ``claim``'s hold: its connection is closed, not returned to the pool,
         whose connections keep their sessions and so would keep the lock."""
-        claim, self._claim = self._claim, None
+        self._released.set()
+        with self._claim_lock:
+            claim, self._claim = self._claim, None
         if claim is not None:
             claim.invalidate()
 

@@ -126,3 +126,32 @@ def test_a_second_service_on_one_database_is_refused_until_the_first_stops(pg_ur
         ServiceCore(tmp_path / "b", db_url=pg_url, dtype="float32")
     first.close()
     ServiceCore(tmp_path / "b", db_url=pg_url, dtype="float32").close()  # its hold went with it
+
+
+def test_the_database_claim_is_taken_again_when_its_session_ends(pg_url, tmp_path, monkeypatch):
+    """A PostgreSQL restart ends the claim's session, and with it the lock: the service
+    takes it again, so a second service is still refused afterwards."""
+    from trio_server.errors import DataDirInUse
+    from trio_server.store import SERVICE_LOCK_KEY
+
+    from trio_server.store import Store
+
+    monkeypatch.setattr(Store, "claim_check_seconds", 0.05)
+    first = ServiceCore(tmp_path / "a", db_url=pg_url, dtype="float32")
+
+    def holder_pid() -> int | None:
+        with first.store.engine.connect() as c:
+            return c.execute(sa.text("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objid = :key AND granted "
+                                     "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"),
+                             {"key": SERVICE_LOCK_KEY}).scalar()
+
+    try:
+        lost = holder_pid()
+        assert lost is not None
+        with first.store.engine.begin() as c:
+            c.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": lost})
+        wait_until(lambda: holder_pid() not in (None, lost), "the claim to be taken again")
+        with pytest.raises(DataDirInUse, match="database is in use by another TRIO service"):
+            ServiceCore(tmp_path / "b", db_url=pg_url, dtype="float32")
+    finally:
+        first.close()
