@@ -345,7 +345,7 @@ def _loss_and_metrics(returned: Any) -> tuple[Any, dict[str, float]]:
     import torch
 
     where = "forward_backward_custom: loss_fn"
-    if not (isinstance(returned, tuple) and len(returned) == 2):
+    if not (isinstance(returned, tuple | list) and len(returned) == 2):
         raise ValidationError(f"{where} must return (loss, metrics), got {type(returned).__name__}")
     loss, metrics = returned
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

@@ -666,7 +666,7 @@ class ErrorInfo(_Model):
     status_code: int | None = None  # the HTTP status it has (None: the category's usual one)
 
 
-class FutureResponse(_Model):
+class FutureResponse(_Reply):  # a newer server's pending answers may say more (others_ahead did)
     request_id: str
     status: Literal["done", "failed", "pending"]
     result: dict[str, Any] | None = None

@@ -96,8 +96,7 @@ def archive_file(out_dir: Path, run_id: str, kind: str, name: str) -> Path:
     return out_dir / f"{run_id}-{kind}-{name}.tar"
 
 
-_BUILDING = threading.Lock()  # guards _BUILDERS
-_BUILDERS: dict[Path, threading.Lock] = {}  # an archive's path -> the lock of whoever builds it
+_BUILDERS = [threading.Lock() for _ in range(64)]  # an archive's builder holds its path's (striped: bounded)
 
 
 def archive(folder: Path, out_dir: Path) -> Path:
@@ -110,9 +109,7 @@ def archive(folder: Path, out_dir: Path) -> Path:
     truncate and rename each other's: 500s, and a 200 with an empty body)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     target = archive_file(out_dir, folder.parent.parent.name, folder.parent.name, folder.name)
-    with _BUILDING:
-        builder = _BUILDERS.setdefault(target, threading.Lock())
-    with builder:
+    with _BUILDERS[hash(target) % len(_BUILDERS)]:
         newest = max((p.stat().st_mtime for p in folder.rglob("*")), default=0)
         if not target.exists() or target.stat().st_mtime < newest:
             tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")

@@ -172,7 +172,7 @@ def serve(args: argparse.Namespace) -> None:
     except OSError as exc:  # a read-only, full or foreign data dir: a line, not a traceback
         if exc.errno not in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM):
             raise
-        sys.exit(f"trio serve: cannot write {exc.filename or args.data_dir}: {exc.strerror}; give a writable --data-dir")
+        sys.exit(f"trio serve: cannot use {exc.filename or args.data_dir}: {exc.strerror}; give a writable --data-dir")
     log.info("data dir %s, database %s, engine %s", core.data_dir,
              core.store.engine.url.render_as_string(hide_password=True), args.engine)
     host, port = sock.getsockname()[:2]

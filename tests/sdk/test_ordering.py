@@ -218,7 +218,9 @@ def test_forward_backward_takes_a_function_as_loss_fn():
         return await (await tc.forward_backward_async([datum()], total_logprob))
 
     assert asyncio.run(twin()).metrics["custom"] == 1.0
-    assert [op for op, _ in service.submits] == ["forward", "forward_backward"] * 3
+    as_list = tc.forward_backward([datum()], lambda data, lps: list(total_logprob(data, lps))).result(WAIT)
+    assert as_list.metrics["custom"] == 1.0  # [loss, metrics] as well as (loss, metrics)
+    assert [op for op, _ in service.submits] == ["forward", "forward_backward"] * 4
     backward = service.bodies[1]
     assert backward["loss_fn"] == "cross_entropy"
     assert backward["data"][0]["loss_fn_inputs"]["weights"]["data"] == [1.0, 1.0, 1.0]  # -d(-sum lp)/d lp

@@ -106,3 +106,11 @@ def test_max_tokens_has_no_silent_default():
         trio.SamplingParams(temperature=0.7)
     params = trio.SamplingParams(max_tokens=20)
     assert params.stop is None and params.ignore_eos is False
+
+
+def test_a_pending_answer_with_fields_this_sdk_does_not_know_still_parses():
+    """A newer server's FutureResponse may say more (``others_ahead`` was new once)."""
+    from pytrio import types as t
+
+    state = t.FutureResponse.model_validate({"request_id": "r", "status": "pending", "queue_position": 2, "eta_note": 1})
+    assert state.queue_position == 2

@@ -136,6 +136,6 @@ def test_a_data_dir_that_cannot_be_written_is_a_one_line_error(tmp_path, monkeyp
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", read_only)
-    with pytest.raises(SystemExit, match=r"trio serve: cannot write .*/data/trio.lock: Read-only file system; give a "
+    with pytest.raises(SystemExit, match=r"trio serve: cannot use .*/data/trio.lock: Read-only file system; give a "
                                          "writable --data-dir"):
         cli.main(["serve", "--port", "0", "--data-dir", str(tmp_path / "data")])

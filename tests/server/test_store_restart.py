@@ -132,9 +132,7 @@ def test_the_database_claim_is_taken_again_when_its_session_ends(pg_url, tmp_pat
     """A PostgreSQL restart ends the claim's session, and with it the lock: the service
     takes it again, so a second service is still refused afterwards."""
     from trio_server.errors import DataDirInUse
-    from trio_server.store import SERVICE_LOCK_KEY
-
-    from trio_server.store import Store
+    from trio_server.store import SERVICE_LOCK_KEY, Store
 
     monkeypatch.setattr(Store, "claim_check_seconds", 0.05)
     first = ServiceCore(tmp_path / "a", db_url=pg_url, dtype="float32")
