@@ -85,8 +85,9 @@ def written_before_it_died(snapshot_dir: str, write: Durability) -> None:
                            f"(which holds step {on_disk})")
 
 
-class SnapshotUnreadable(RuntimeError):
-    """A run's snapshot file is damaged: the run cannot come back into memory."""
+class SnapshotFault(RuntimeError):
+    """A run's snapshot file is damaged, or could not be rewritten after a restore: the run
+    cannot come back into memory (the message says which, and what to do)."""
 
 
 class SnapshotLost(RuntimeError):
@@ -138,7 +139,7 @@ def failure_from(exc: BaseException) -> Failure:
     # ValueError from deep inside torch or numpy included, is ours: a 500, logged.
     if isinstance(exc, InvalidInputError | ModelNotAvailableError | FileNotFoundError):
         return Failure("validation", str(exc))
-    if isinstance(exc, SnapshotUnreadable):
+    if isinstance(exc, SnapshotFault):
         return Failure("server", str(exc))
     return Failure("server", f"{type(exc).__name__}: {exc}")
 
@@ -425,17 +426,29 @@ class LocalEngine:
                     snap = snapshot.read(path)
                     snapshot.restore(host, run_id, snap)
                 except Exception as exc:  # named, where a bare SafetensorError said nothing of what or why
-                    raise SnapshotUnreadable(
+                    raise SnapshotFault(
                         f"run {run_id}: its snapshot {path} cannot be read ({type(exc).__name__}: {exc}); go on "
                         "from a checkpoint: load_state into this run, or a new client from it") from exc
                 log.info("run %s restored from its snapshot at step %d", run_id, snap.step)
                 if any(k.startswith("grad.") for k in snap.tensors):
-                    # Pending grads now live in memory. The file goes back to the completed step
-                    # alone, now: rewritten in the background, a crash after the next
-                    # forward_backward could restore these grads without that call's, and the
-                    # next optim_step would step on them as if nothing were lost.
-                    self.snapshots.commit(run_id)
+                    self._drop_grads_from_snapshot(run_id)
         return host
+
+    def _drop_grads_from_snapshot(self, run_id: str) -> None:
+        """A restored run's pending grads live in memory now. Its file goes back to the
+        completed step alone, before the call goes on: rewritten in the background, a crash
+        after the next forward_backward could restore these grads without that call's, and
+        the next optim_step would step on them as if nothing were lost. If the rewrite
+        fails, the run leaves memory again (the file still holds all of it) and the call
+        fails: the next one restores it and tries again."""
+        if not self.snapshots.enabled:
+            return
+        try:
+            self.snapshots.write_now(run_id)
+        except Exception as exc:
+            self.host.delete_adapter(run_id)
+            raise SnapshotFault(f"run {run_id}: its snapshot could not be rewritten after its restore "
+                                     f"({type(exc).__name__}: {exc}); nothing changed, try the call again") from exc
 
     def create_adapter(self, run_id: str, config: LoraConfig) -> None:
         self.host.create_adapter(run_id, config)

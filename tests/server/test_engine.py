@@ -428,3 +428,24 @@ def test_requests_an_engine_lost_between_steps_fail_instead_of_waiting(engine, t
     engine._decoding = engine.host.decode_batch()  # as after a restart: the batch is gone
     [(result, error)] = decode(ctx, [], ["req-1"]).values()
     assert result is None and error.category == "server" and "restarted" in error.message
+
+
+def test_a_failed_rewrite_after_a_restore_fails_the_call_and_keeps_the_run_as_on_disk(engine, monkeypatch):
+    """The restored grads must not live on in memory beside a file still holding them: a
+    crash after the next forward_backward would bring back these without that call's."""
+    engine.create_adapter("run-h", LoraConfig(rank=2, seed=2))
+    engine.forward_backward([job("run-h")])
+    engine.offload("run-h")
+    write = snapshot.write
+
+    def disk_full(path, snap):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snapshot, "write", disk_full)
+    [failure] = engine.forward_backward([job("run-h")])
+    assert isinstance(failure, Failure) and "could not be rewritten" in failure.message and "try the call again" in failure.message
+    assert not engine.host.has_adapter("run-h")
+    monkeypatch.setattr(snapshot, "write", write)
+    assert not isinstance(engine.forward_backward([job("run-h")])[0], Failure)  # the disk back: it goes on
+    on_disk = snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-h"))
+    assert not any(k.startswith("grad.") for k in on_disk.tensors)
