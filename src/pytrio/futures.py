@@ -131,10 +131,12 @@ def async_twin(sync_fn: Callable[..., APIFuture[T]]) -> Callable[..., Coroutine[
     @functools.wraps(sync_fn)
     def method(self, *args, **kwargs):
         try:
-            future = sync_fn(self, *args, **kwargs)
+            awaitable = _ready(sync_fn(self, *args, **kwargs))
         except Exception as exc:
-            return _raise(exc)
-        return _ready(future)
+            awaitable = _raise(exc)
+        # named as the call in a "coroutine ... was never awaited" warning (the call was made)
+        awaitable.__qualname__ = f"{type(self).__name__}.{method.__name__}"
+        return awaitable
 
     method.__name__ = sync_fn.__name__ + "_async"
     if hasattr(inspect, "markcoroutinefunction"):  # Python >= 3.12: inspect calls it a coroutine function

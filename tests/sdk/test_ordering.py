@@ -243,3 +243,14 @@ def test_a_misused_custom_loss_is_a_validation_error_and_frees_its_place(loss_fn
         tc.forward_backward_custom([datum()], loss_fn).result(WAIT)
     tc.optim_step().result(WAIT)
     assert service.submits == [("forward", 0), ("optim_step", 1)]
+
+
+def test_an_async_call_never_awaited_is_still_made_and_the_warning_names_it():
+    import gc
+
+    service = FakeService()
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+    with pytest.warns(RuntimeWarning, match="coroutine 'TrainingClient.optim_step_async' was never awaited"):
+        tc.optim_step_async()
+        gc.collect()
+    wait_until(lambda: service.submits == [("optim_step", 0)], "the step to be sent")
