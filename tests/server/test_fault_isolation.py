@@ -201,14 +201,14 @@ def test_an_outcome_the_store_cannot_take_is_still_delivered_and_the_worker_live
     import sqlalchemy as sa
 
     tc = client(core).create_lora_training_client(base_model=MODEL, rank=2)
-    real = core.store.update
+    real = core.store.update_together
 
-    def update(table, key, key_value, **values):
-        if values.get("status") == "done":
+    def update_together(*updates):  # every update goes through it (the outcome with its run's row)
+        if any(values.get("status") == "done" for _, _, _, values in updates):
             raise sa.exc.OperationalError("UPDATE requests", {}, Exception("the database is gone"))
-        return real(table, key, key_value, **values)
+        return real(*updates)
 
-    monkeypatch.setattr(core.store, "update", update)
+    monkeypatch.setattr(core.store, "update_together", update_together)
     with caplog.at_level("ERROR", logger="trio"):
         out = tc.forward([datum()]).result(timeout=120)
     assert out.metrics["loss:sum"] > 0
