@@ -212,6 +212,18 @@ def last_step(path: str | Path) -> tuple[int, dict[str, float]] | None:
         return None
 
 
+def holds_grads(path: str | Path) -> bool:
+    """Whether a snapshot holds pending gradients, from its header alone (False if there is
+    none or it cannot be read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return any(key.startswith("grad.") for key in f.keys())
+    except Exception:
+        return False
+
+
 def restore(host: Any, adapter_id: str, snap: Snapshot) -> None:
     """Create (or replace) ``adapter_id`` on the host exactly as captured."""
     if snap.base_model != host.model_name:

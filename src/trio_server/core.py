@@ -203,6 +203,7 @@ class ServiceCore:
         self.next_seq: dict[str, int] = {}
         # run id -> forward_backward calls whose gradients the last crash lost (``_recover``)
         self.lost_calls: Counter[str] = Counter()
+        self.calls_since_step: Counter[str] = Counter()  # run id -> calls since its last step, at start-up
         self.finished: deque[tuple[float, str, str | None]] = deque()  # (when, request id, idempotency key)
         self.arrivals = itertools.count()
         self.pending_by_user: Counter[str] = Counter()  # accepted, unfinished requests (queue bounds)
@@ -244,8 +245,12 @@ class ServiceCore:
         recover_folders(self.data_dir / "checkpoints")  # a checkpoint write the crash interrupted
         snapshot.remove_partial_writes(self.engine_settings.snapshot_dir)
         remove_expired_checkpoints(self.store, self.data_dir)  # after: a recovered folder of one goes too
-        # their gradients were in this process's memory: the runs' next steps say so
-        self.lost_calls.update(self.store.calls_since_last_step())
+        # Calls since a run's last step: their gradients were in the crashed process's memory,
+        # unless the run went to disk with them (offloaded, or a graceful stop), whose file
+        # then holds the gradients of every one of them (a restore rewrites it without).
+        self.calls_since_step.update(self.store.calls_since_last_step())
+        self.lost_calls.update({run_id: n for run_id, n in self.calls_since_step.items()
+                                if not snapshot.holds_grads(snapshot_path(self.engine_settings.snapshot_dir, run_id))})
         max_seq = self.store.max_seq_by_run()
         for run in self.store.select(runs_table):  # again: a landed step's answer moved its step
             self.next_seq[run["run_id"]] = max(run["next_seq"], max_seq.get(run["run_id"], -1) + 1)
@@ -588,7 +593,8 @@ class ServiceCore:
         with self.lock:
             if base_model not in self.workers:
                 ctx = Context(base_model, self._new_engine(base_model), self.store, self.data_dir,
-                              self.limits.ephemeral_samplers_per_run, unstepped=Counter(self.lost_calls))
+                              self.limits.ephemeral_samplers_per_run, unstepped=Counter(self.calls_since_step),
+                              lost=Counter(self.lost_calls))
                 order = Sequencing(self.next_seq, self.lock, self.limits.seq_gap_seconds)
                 self.workers[base_model] = HostWorker(ctx, lambda item, r: self.resolve(item, *r), order,
                                                       self.idle_offload_seconds, self.limits.max_batch_tokens,

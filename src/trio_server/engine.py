@@ -177,6 +177,10 @@ class Engine(Protocol):
         ``restore`` the run's grads, the later parts' alone, are then dropped."""
         ...
 
+    def drop_grads(self, run_id: str) -> None:
+        """Forget the run's accumulated gradients (those of a batch a restart cut short)."""
+        ...
+
     def optim_step(self, run_id: str, config: AdamConfig) -> tuple[dict[str, float], Durability | None]:
         """Step the run: its metrics, and the snapshot write that keeps the step (None when
         snapshots are off). The write runs on after the call: answer once ``durable``."""
@@ -491,6 +495,9 @@ class LocalEngine:
         if not held and not restore and host.has_adapter(run_id):  # all parts ran, but the host
             host.zero_grad(run_id)  # restarted since hold_grads: the later parts' sums alone
         return held
+
+    def drop_grads(self, run_id: str) -> None:
+        self._resident(run_id).zero_grad(run_id)
 
     def optim_step(self, run_id: str, config: AdamConfig) -> tuple[dict[str, float], Durability | None]:
         metrics = self._resident(run_id).optim_step(run_id, config)

@@ -69,6 +69,8 @@ class Context:
     # run id -> forward_backward calls done since its last step (or load): an optim_step
     # that finds no gradients after some lost them with a restarted model host
     unstepped: Counter[str] = field(default_factory=Counter)
+    # run id -> of those, the calls whose gradients a restart of the service lost
+    lost: Counter[str] = field(default_factory=Counter)
 
     def checkpoint_folder(self, path: str) -> str:
         return str(ckpt.folder(self.data_dir, *ckpt.parse_path(path)))
@@ -320,6 +322,8 @@ def _insert_run(ctx: Context, item: WorkItem, run_id: str, config: LoraConfig, s
 
 def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
     req: t.OptimStepRequest = item.request
+    if lost := ctx.lost.pop(req.model_id, 0):
+        _refuse_part_of_a_batch(ctx, req.model_id, lost)
     calls = ctx.unstepped.pop(req.model_id, 0)
     before = ctx.engine.adapter_info(req.model_id).step if calls else None  # the host's own count
     metrics, write = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))
@@ -338,6 +342,20 @@ def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
     else:  # stored once the step is on disk (worker.Answers): until then a crash undoes it
         item.context["durable"], item.context["when_kept"] = write, store
     return t.OptimStepResponse(metrics=metrics)
+
+
+def _refuse_part_of_a_batch(ctx: Context, run_id: str, lost: int) -> None:
+    """The first optim_step after a restart lost the gradients of ``lost`` calls: refused,
+    and the gradients of calls made since (a failed call resubmitted, the next batch) are
+    dropped too. Stepping on them, the run would train on part of a batch and say nothing."""
+    calls = ctx.unstepped.pop(run_id, 0)
+    ctx.steps.pop(run_id, None)
+    ctx.engine.drop_grads(run_id)
+    since = calls - lost
+    dropped = f"; the {since} made since are dropped with them, not to step on part of a batch" if since > 0 else ""
+    raise ServiceError("server", f"optim_step: the gradients of the {calls} forward_backward call(s) since the run's "
+                       f"last step were lost when the service restarted ({lost} answered before it{dropped}); "
+                       "nothing changed. Run them again, then optim_step", 500)
 
 
 def _store_step_metrics(ctx: Context, item: WorkItem, run_id: str, optim_metrics: dict[str, float],
@@ -460,6 +478,7 @@ def _load_weights(ctx: Context, item: WorkItem) -> t.LoadWeightsResponse:
     config = ctx.engine.load_state(req.model_id, ctx.checkpoint_folder(req.path), req.with_optimizer)
     ctx.steps.pop(req.model_id, None)  # the loaded weights come without the pending gradients
     ctx.unstepped.pop(req.model_id, None)
+    ctx.lost.pop(req.model_id, None)
     ctx.store.update(runs_table, "run_id", req.model_id, step=ctx.engine.adapter_info(req.model_id).step,
                      lora_config=json.dumps(asdict(config)))
     return t.LoadWeightsResponse(path=req.path)

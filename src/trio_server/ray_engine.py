@@ -179,6 +179,9 @@ class RayEngine:
     def release_grads(self, key: str, run_id: str, restore: bool) -> bool:
         return self._call("release_grads", key, run_id, restore)
 
+    def drop_grads(self, run_id: str) -> None:
+        self._call("drop_grads", run_id)
+
     def optim_step(self, run_id: str, config: AdamConfig) -> tuple[dict[str, float], Durability | None]:
         return self._call("optim_step", run_id, config)
 

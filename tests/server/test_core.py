@@ -412,6 +412,39 @@ def test_a_graceful_stop_keeps_pending_gradients_for_the_next_step(tmp_path):
     after.close()
 
 
+def test_a_call_after_a_restart_lost_others_makes_no_step_on_part_of_a_batch(tmp_path):
+    """A crash lost the gradients of two answered calls; the loop resubmits the call the
+    crash failed, then steps. That step would have used the one call's gradient alone and
+    said nothing: it is refused, and the new call's gradient dropped with the lost ones, so
+    the batch run again gives the step it would have made."""
+    reference = ServiceCore(tmp_path / "ref", dtype="float32")
+    ref = trainer(reference)
+    for _ in range(3):
+        ref.forward_backward([DATUM]).result()
+    want = ref.optim_step(trio.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm"]
+    reference.close()
+
+    before = ServiceCore(tmp_path / "run", dtype="float32")
+    tc = trainer(before)
+    for _ in range(2):
+        tc.forward_backward([DATUM]).result()
+    before.workers[MODEL].engine.host.zero_grad(tc.model_id)  # a crash: the gradients in memory are gone
+    before.close()
+
+    after = ServiceCore(tmp_path / "run", dtype="float32")
+    tc._session.transport = LocalTransport(after)
+    tc.forward_backward([DATUM]).result()  # the call the crash failed, resubmitted
+    with pytest.raises(trio.ServerError, match=r"gradients of the 3 forward_backward call\(s\) .* were lost when the "
+                                               r"service restarted \(2 answered before it; the 1 made since are dropped"):
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    assert tc.get_info().step == 0
+    for _ in range(3):
+        tc.forward_backward([DATUM]).result()
+    got = tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result().metrics
+    assert got["step"] == 1 and got["grad_norm"] == pytest.approx(want, rel=1e-6)  # the whole batch, once
+    after.close()
+
+
 def test_an_optim_step_after_a_service_restart_lost_its_gradients_is_refused_too(tmp_path):
     """A restart of the whole service loses the gradients in memory as an actor restart
     does: the calls since the run's last step are counted from the store at start-up, and
