@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,21 @@ def stop_cluster(temp_dir: str) -> None:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def free_port() -> int:
+    """A port free now, between Ray's default worker ports (to 19999) and Linux's ephemeral
+    range (from 32768): a port from that range (20000-39999 were drawn) could be taken by
+    any outgoing connection meanwhile, and once was ("Failed to start the grpc server")."""
+    for _ in range(100):
+        port = 20000 + secrets.randbelow(12000)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-31999")
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """(address, node id of the second node); the cluster's processes are ended afterwards."""
@@ -60,7 +76,7 @@ def ray_cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    port = 20000 + secrets.randbelow(20000)
+    port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="trio-ray-", dir="/tmp")  # short: Ray puts sockets below it
     # Loopback only, and no token: these nodes exist for this test on this machine. A real
     # cluster runs with RAY_AUTH_MODE=token (docs/scaling.md).
