@@ -231,9 +231,7 @@ class ServiceCore:
 
     def _recover(self) -> None:
         """After a crash: in-flight requests fail clearly; runs resume at their next seq."""
-        runs = self.store.select(runs_table)
-        for run in runs:
-            self._answer_landed_steps(run)  # before the rest fail and the lost calls are counted
+        self._answer_landed_steps()  # before the rest fail and the lost calls are counted
         failed = self.store.fail_pending(RESTART_MESSAGE)
         if failed:
             log.warning("marked %d in-flight requests failed after restart", len(failed))
@@ -256,7 +254,7 @@ class ServiceCore:
             self.next_seq[run["run_id"]] = max(run["next_seq"], max_seq.get(run["run_id"], -1) + 1)
             self._reconcile_step(run)
 
-    def _answer_landed_steps(self, run: dict) -> None:
+    def _answer_landed_steps(self) -> None:
         """A step is answered, its number stored with the answer, once its snapshot is
         written: a crash between the write and the answer leaves the step made but its
         request pending. Failed as in flight ("submit it again"), the client would apply
@@ -265,21 +263,31 @@ class ServiceCore:
         have run: if it is an optim_step and the snapshot is one step ahead of the store,
         it landed, and is answered done with the metrics the snapshot kept. (A snapshot
         ahead after a load_weights is the load's: that request fails as in flight, and the
-        store takes the snapshot's step, ``_reconcile_step``.)"""
+        store takes the snapshot's step, ``_reconcile_step``.) One query for all runs' pending
+        requests; a snapshot's header is read only for a run whose first one is a step."""
+        first: dict[str, dict] = {}  # run id -> its pending request of the lowest seq
+        for row in sorted(self.store.select(requests_table, status="pending"), key=lambda r: -1 if r["seq"] is None else r["seq"]):
+            if row["run_id"] is not None:
+                first.setdefault(row["run_id"], row)
+        for run_id, request in first.items():
+            if request["op"] == "optim_step" and (run := self.store.get(runs_table, run_id=run_id)) is not None:
+                self._answer_landed_step(run, request)
+
+    def _answer_landed_step(self, run: dict, request: dict) -> None:
+        """``request``, the run's first pending one, an optim_step: answered done if the
+        run's snapshot is one step ahead of the store (``_answer_landed_steps``)."""
         from trio_engine import snapshot
 
         landed = snapshot.last_step(snapshot_path(self.engine_settings.snapshot_dir, run["run_id"]))
-        pending = self.store.select(requests_table, run_id=run["run_id"], status="pending")
-        first = min(pending, key=lambda row: row["seq"] if row["seq"] is not None else -1, default=None)
-        if landed is None or first is None or first["op"] != "optim_step" or landed[0] != run["step"] + 1:
+        if landed is None or landed[0] != run["step"] + 1:
             return
         step, metrics = landed
         answer = t.OptimStepResponse(metrics=metrics or {"step": float(step)})
-        self.store.update_together((requests_table, "request_id", first["request_id"],
+        self.store.update_together((requests_table, "request_id", request["request_id"],
                                     {"status": "done", "result": answer.model_dump_json()}),
                                    (runs_table, "run_id", run["run_id"], {"step": step}))
         log.warning("run %s: optim_step %s (step %d) was made before the restart: answered done",
-                    run["run_id"], first["request_id"], step)
+                    run["run_id"], request["request_id"], step)
 
     def _reconcile_step(self, run: dict) -> None:
         """The run's step is stored once its snapshot is written: a crash between the two
