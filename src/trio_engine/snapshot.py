@@ -202,26 +202,31 @@ def step_of(path: str | Path) -> int | None:
 def last_step(path: str | Path) -> tuple[int, dict[str, float]] | None:
     """The step a snapshot holds and what the step that made it answered (``{}`` if not
     kept), from its header alone; None as for ``step_of``."""
-    from safetensors import safe_open
-
+    header = _header(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        return int(meta["step"]), _step_metrics(meta)
-    except Exception:
+        return None if header is None else (int(header[0]["step"]), _step_metrics(header[0]))
+    except (KeyError, ValueError):
         return None
 
 
 def holds_grads(path: str | Path) -> bool:
     """Whether a snapshot holds pending gradients, from its header alone (False if there is
     none or it cannot be read)."""
+    header = _header(path)
+    return header is not None and any(name.startswith("grad.") for name in header[1])
+
+
+def _header(path: str | Path) -> tuple[dict[str, str], list[str]] | None:
+    """A snapshot's metadata and tensor names, read from its header; None if there is no
+    file or it cannot be read (a damaged file fails its run when restored, not whoever
+    asks here)."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            return any(key.startswith("grad.") for key in f.keys())
+            return f.metadata() or {}, list(f.keys())
     except Exception:
-        return False
+        return None
 
 
 def restore(host: Any, adapter_id: str, snap: Snapshot) -> None:
