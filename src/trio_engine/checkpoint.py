@@ -239,16 +239,16 @@ def load_peft_adapter(folder: str | Path) -> tuple[LoraConfig, dict[str, torch.T
                                         f"matrix ({PEFT_PREFIX}<module>.lora_A.weight)", field="path")
             name, tensor = _from_peft(key[len(PEFT_PREFIX) : -len(".weight")], tensor.float(), cfg)
             weights[name] = tensor
-        layers = {key.rsplit(".", 2)[-2] for key in weights}
         rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-        config = LoraConfig(
-            rank=rank,
-            train_attn=bool(layers & set(ALL_ATTN)),
-            train_mlp=bool(layers & set(ALL_MLP)),
-            train_unembed=bool(layers & set(UNEMBED)),
-            alpha=alpha * math.sqrt(rank) if cfg.get("use_rslora") else alpha,
-        )
+        config = LoraConfig(rank=rank, alpha=alpha * math.sqrt(rank) if cfg.get("use_rslora") else alpha,
+                            **_kinds_of({key.rsplit(".", 2)[-2] for key in weights}))
         return config, weights
+
+
+def _kinds_of(layers: set[str]) -> dict[str, bool]:
+    """``LoraConfig``'s kinds of layers (``train_attn`` ...) that a set of layer names holds."""
+    return {"train_attn": bool(layers & set(ALL_ATTN)), "train_mlp": bool(layers & set(ALL_MLP)),
+            "train_unembed": bool(layers & set(UNEMBED))}
 
 
 def saved_lora_config(folder: str | Path) -> LoraConfig:
@@ -262,8 +262,7 @@ def saved_lora_config(folder: str | Path) -> LoraConfig:
         cfg = json.loads((folder / "adapter_config.json").read_text())
         targets = cfg.get("target_modules") or ()
         layers = {targets} if isinstance(targets, str) else {name.rsplit(".", 1)[-1] for name in targets}
-        return LoraConfig(rank=int(cfg["r"]), train_attn=bool(layers & set(ALL_ATTN)),
-                          train_mlp=bool(layers & set(ALL_MLP)), train_unembed=bool(layers & set(UNEMBED)))
+        return LoraConfig(rank=int(cfg["r"]), **_kinds_of(layers))
 
 
 # A PEFT head copy in bf16 of an fp32 head (or the other way) is off by bf16's rounding,
