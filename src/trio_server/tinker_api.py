@@ -49,7 +49,6 @@ from trio_engine import InvalidInputError
 from trio_engine.checkpoint import saved_lora_config
 from trio_engine.sampler import MAX_NUM_SAMPLES
 
-from . import checkpoints as ckpt
 from .auth import ANONYMOUS
 from .core import Outcome, ServiceCore
 from .errors import RESTART_MESSAGE, ServiceError, not_found
@@ -793,7 +792,7 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         checkpoint = core.checkpoint_row(user_id, path)
         run = core.store.get(runs_table, run_id=checkpoint["run_id"])
         # the checkpoint's own config: the run's may have changed since (a load of another rank)
-        folder = ckpt.folder(core.data_dir, checkpoint["run_id"], checkpoint["kind"], checkpoint["name"])
+        folder = core.checkpoint_dir(checkpoint["run_id"], checkpoint["kind"], checkpoint["name"])
         try:
             lora = await asyncio.to_thread(saved_lora_config, folder)
         except (OSError, InvalidInputError, KeyError, ValueError) as exc:
