@@ -259,6 +259,9 @@ class AdamParams(_Finite):
     grad_clip_norm: Annotated[float, Field(ge=0)] = 0.0  # 0: no clipping
 
 
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]  # what torch's generator takes
+
+
 class SamplingParams(_Finite):
     """How to sample.
 
@@ -279,7 +282,7 @@ class SamplingParams(_Finite):
     top_p: float = 1.0
     stop: str | list[str] | list[int] | None = None
     ignore_eos: bool = False
-    seed: Annotated[int | None, Field(ge=-(2**63), lt=2**64)] = None  # what torch's generator takes
+    seed: Seed | None = None
 
     @field_validator("stop")
     @classmethod

@@ -20,6 +20,8 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from pytrio.types import Seed
+
 # -- errors ------------------------------------------------------------------------------
 
 
@@ -72,7 +74,7 @@ class Common(_Body):
     top_p: float | None = Field(None, ge=0, le=1)  # None: 1; 0: only the likeliest token (greedy)
     n: int | None = Field(None, ge=1)  # None: 1
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: Seed | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # vLLM's sampling extras (the openai client sends them in ``extra_body``)
