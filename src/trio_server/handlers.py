@@ -329,9 +329,7 @@ def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
     metrics, write = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))
     totals = ctx.steps.pop(req.model_id, None)
     if calls and int(metrics["step"]) == before:  # the host had no gradients
-        raise ServiceError("server", f"optim_step: the gradients of the {calls} forward_backward call(s) since the "
-                           "run's last step were lost when its model host restarted; nothing changed. Run them "
-                           "again, then optim_step", 500)
+        raise _lost_calls(calls, "its model host restarted")
     # The step's number is stored with its answer, in one transaction (ServiceCore._store_outcome):
     # a crash between the two would leave one without the other, and recovery tells a step
     # that landed from one that did not by the snapshot being ahead of the stored step.
@@ -353,9 +351,13 @@ def _refuse_part_of_a_batch(ctx: Context, run_id: str, lost: int) -> None:
     ctx.engine.drop_grads(run_id)
     since = calls - lost
     dropped = f"; the {since} made since are dropped with them, not to step on part of a batch" if since > 0 else ""
-    raise ServiceError("server", f"optim_step: the gradients of the {calls} forward_backward call(s) since the run's "
-                       f"last step were lost when the service restarted ({lost} answered before it{dropped}); "
-                       "nothing changed. Run them again, then optim_step", 500)
+    raise _lost_calls(calls, f"the service restarted ({lost} answered before it{dropped})")
+
+
+def _lost_calls(calls: int, when: str) -> ServiceError:
+    """The refusal of an optim_step whose run lost the gradients of its ``calls``."""
+    return ServiceError("server", f"optim_step: the gradients of the {calls} forward_backward call(s) since the run's "
+                        f"last step were lost when {when}; nothing changed. Run them again, then optim_step", 500)
 
 
 def _store_step_metrics(ctx: Context, item: WorkItem, run_id: str, optim_metrics: dict[str, float],
