@@ -452,7 +452,7 @@ class LocalEngine:
         except Exception as exc:
             self.host.delete_adapter(run_id)
             raise SnapshotFault(f"run {run_id}: its snapshot could not be rewritten after its restore "
-                                     f"({type(exc).__name__}: {exc}); nothing changed, try the call again") from exc
+                                f"({type(exc).__name__}: {exc}); nothing changed, try the call again") from exc
 
     def create_adapter(self, run_id: str, config: LoraConfig) -> None:
         self.host.create_adapter(run_id, config)

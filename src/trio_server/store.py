@@ -138,6 +138,7 @@ def hash_key(key: str) -> str:
 
 class Store:
     claim_check_seconds = 10.0  # how often ``claim``'s connection is checked
+
     def __init__(self, url: str, retry_seconds: float = 60.0):
         """Args:
             url: a SQLAlchemy URL (``sqlite:///...`` or ``postgresql://...``).
