@@ -35,7 +35,6 @@ from pytrio.errors import describe_validation_error
 
 from .auth import authenticate
 from .core import ServiceCore, ServiceError
-from .errors import retry_after_headers
 
 log = logging.getLogger("trio.server")
 
@@ -58,7 +57,7 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int = MAX_B
 
     @app.exception_handler(ServiceError)
     async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
-        return _error(exc.status, exc.category, exc.message, retry_after_headers(exc.retry_after))
+        return _error(exc.status, exc.category, exc.message, exc.reply_headers())
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -18,10 +18,15 @@ class DataDirInUse(RuntimeError):
 class ServiceError(Exception):
     """An error for the client: a category (see pytrio.errors) and an HTTP status."""
 
-    def __init__(self, category: str, message: str, status: int = 400, retry_after: float | None = None):
+    def __init__(self, category: str, message: str, status: int = 400, retry_after: float | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.category, self.message, self.status = category, message, status
         self.retry_after = retry_after  # seconds; front doors send it as Retry-After (429)
+        self.headers = headers or {}  # more for the reply (a 405's Allow)
+
+    def reply_headers(self) -> dict[str, str]:
+        return retry_after_headers(self.retry_after) | self.headers
 
 
 def over_capacity(name: str, what: str, pending: int, limit: int, retry_after: float,

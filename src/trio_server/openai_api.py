@@ -68,7 +68,7 @@ from . import checkpoints as ckpt
 from . import openai_wire as w
 from .auth import authenticate
 from .core import ServiceCore
-from .errors import ServiceError, retry_after_headers
+from .errors import ServiceError
 from .tinker_wire import to_trio_path
 
 log = logging.getLogger("trio.openai")
@@ -100,7 +100,7 @@ def from_service(exc: ServiceError, model: str | None = None) -> w.OpenAIError:
         return w.bad_param(None, exc.message)
     if exc.category == "capacity":
         return w.OpenAIError(429, exc.message, type="rate_limit_error", code="rate_limit_exceeded",
-                             headers=retry_after_headers(exc.retry_after))
+                             headers=exc.reply_headers())
     return w.OpenAIError(500, exc.message, type="server_error")
 
 

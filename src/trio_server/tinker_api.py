@@ -806,6 +806,13 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         session search, projects and trace export, copy_weights, ...) is named as not
         served, where it got a bare 404 or 405."""
         user(request)
+        # a fixed path served with other methods is a 405, as it was without this route; a
+        # templated one may be tinker's fixed path not served (POST sessions/search)
+        allowed = sorted({method for served in r.routes if isinstance(served, APIRoute) and not served.param_convertors
+                          and served.path_regex.match(f"/api/v1/{route}") for method in served.methods or ()})
+        if allowed:
+            raise ServiceError("validation", f"{request.method} /api/v1/{route}: this route takes "
+                               f"{', '.join(allowed)}", 405, headers={"Allow": ", ".join(allowed)})
         raise ServiceError("not_found", f"{request.method} /api/v1/{route}: this part of the tinker API is not served "
                            "by TRIO (its README lists what is)", 404)
 

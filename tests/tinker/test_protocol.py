@@ -429,3 +429,9 @@ def test_routes_not_served_are_named_as_such(alice):
                   alice.get("sessions/s-1/trace_export"), alice.get("no/such/route")):
         assert reply.status_code == 404 and "not served by TRIO" in reply.text, reply.text
     assert httpx.post(alice.url + "copy_weights", json={}).status_code == 401  # still a key first
+
+
+def test_a_served_route_called_with_another_method_is_a_405_naming_the_methods_it_takes(alice):
+    reply = alice.get("create_model")
+    assert reply.status_code == 405 and reply.headers["allow"] == "POST", (reply.status_code, reply.text)
+    assert "GET /api/v1/create_model: this route takes POST" in reply.text
