@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -221,6 +222,13 @@ class Engine(Protocol):
 
     def flush(self) -> None:
         """Wait until every snapshot asked for so far is on disk."""
+        ...
+
+    def watch_restarts(self, notify: Callable[[], None]) -> None:
+        """Have ``notify`` called, in the worker's thread, when a call finds the host
+        restarted since the last one (a Ray actor), before that call runs: the runs it held
+        in memory lost their gradients (an offloaded run's are in its snapshot). An engine
+        in the service's own process never restarts alone (start-up recovery covers it)."""
         ...
 
     def close(self) -> None: ...
@@ -661,6 +669,9 @@ class LocalEngine:
             self._retired.add(adapter_id)
         else:
             self.host.delete_adapter(adapter_id)
+
+    def watch_restarts(self, notify: Callable[[], None]) -> None:
+        pass  # it dies with the service
 
     def close(self) -> None:
         self.flush()

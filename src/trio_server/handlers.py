@@ -69,7 +69,7 @@ class Context:
     # run id -> forward_backward calls done since its last step (or load): an optim_step
     # that finds no gradients after some lost them with a restarted model host
     unstepped: Counter[str] = field(default_factory=Counter)
-    # run id -> of those, the calls whose gradients a restart of the service lost
+    # run id -> of those, the calls whose gradients a restart (of the service or its model host) lost
     lost: Counter[str] = field(default_factory=Counter)
 
     def checkpoint_folder(self, path: str) -> str:
@@ -343,15 +343,16 @@ def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
 
 
 def _refuse_part_of_a_batch(ctx: Context, run_id: str, lost: int) -> None:
-    """The first optim_step after a restart lost the gradients of ``lost`` calls: refused,
-    and the gradients of calls made since (a failed call resubmitted, the next batch) are
-    dropped too. Stepping on them, the run would train on part of a batch and say nothing."""
+    """The first optim_step after a restart (of the service, or of its model host: a Ray
+    actor) lost the gradients of ``lost`` calls: refused, and the gradients of calls made
+    since (a failed call resubmitted, the next batch) are dropped too. Stepping on them,
+    the run would train on part of a batch and say nothing."""
     calls = ctx.unstepped.pop(run_id, 0)
     ctx.steps.pop(run_id, None)
     ctx.engine.drop_grads(run_id)
     since = calls - lost
     dropped = f"; the {since} made since are dropped with them, not to step on part of a batch" if since > 0 else ""
-    raise _lost_calls(calls, f"the service restarted ({lost} answered before it{dropped})")
+    raise _lost_calls(calls, f"the service or its model host restarted ({lost} answered before it{dropped})")
 
 
 def _lost_calls(calls: int, when: str) -> ServiceError:

@@ -23,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -54,6 +56,10 @@ RESTART_WAIT_SECONDS = 120.0
 DURABLE_WAIT_SECONDS = 600.0  # a snapshot write, behind at most a few others (SnapshotWriter)
 
 
+class NotRun:
+    """``HostActor.call``'s answer to a caller that has not yet heard of the actor's restart."""
+
+
 class HostActor:
     """The Ray actor: one LocalEngine, with torch using the node's cores."""
 
@@ -62,9 +68,15 @@ class HostActor:
 
         torch.set_num_threads(threads)
         self.engine = LocalEngine(base_model, settings, {"ray_node_id": ray.get_runtime_context().get_node_id()})
+        self.incarnation = secrets.token_hex(8)  # a restart (a new process) makes another
 
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.engine, method)(*args)
+    def call(self, seen: str | None, method: str, *args: Any) -> tuple[str, Any]:
+        """(this incarnation, the method's result). ``seen``: the incarnation the caller last
+        heard from; another one means this actor restarted since, and the method is not run
+        (``NotRun``): the caller first learns what the restart lost (``RayEngine._call``)."""
+        if seen not in (None, self.incarnation):
+            return self.incarnation, NotRun()
+        return self.incarnation, getattr(self.engine, method)(*args)
 
     @ray.method(concurrency_group="durable")
     def durable(self, write: Durability) -> None:
@@ -143,12 +155,28 @@ class RayEngine:
         # ``durable`` waits in a group of its own, beside ``call`` (ray's stubs lack the argument)
         actor_class = ray.remote(concurrency_groups={"durable": 1})(HostActor)  # type: ignore[call-overload]
         self.actor: Any = actor_class.options(**options).remote(base_model, settings, threads)
+        self.incarnation: str | None = None  # the actor's, as last heard (HostActor.call)
+        self.notify_restart: Callable[[], None] = lambda: None
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def watch_restarts(self, notify: Callable[[], None]) -> None:
+        self.notify_restart = notify
+
+    def _call(self, method: str, *args: Any, watched: bool = True) -> Any:
+        """The actor's ``method``. ``watched``: a call of the worker's thread, which learns of a
+        restart (``notify_restart``) before its call runs on the new actor; the calls other
+        threads make (they only read) neither check nor notify."""
         deadline = time.monotonic() + RESTART_WAIT_SECONDS
         while True:
             try:
-                return _result(self.actor.call.remote(method, *args))
+                incarnation, result = _result(self.actor.call.remote(self.incarnation if watched else None,
+                                                                     method, *args))
+                if self.incarnation is None and watched:
+                    self.incarnation = incarnation
+                if not isinstance(result, NotRun):
+                    return result
+                log.warning("host actor of %s restarted; its runs come back from their snapshots", self.base_model)
+                self.incarnation = incarnation
+                self.notify_restart()  # before the call runs on the new actor
             except RayActorError:
                 if method not in RETRY_SAFE:
                     log.error("host actor of %s died during %s", self.base_model, method)
@@ -159,10 +187,10 @@ class RayEngine:
                 time.sleep(0.5)
 
     def load(self) -> dict[str, Any]:
-        return self._call("load")
+        return self._call("load", watched=False)
 
     def tokenizer_files(self) -> dict[str, bytes]:
-        return self._call("tokenizer_files")
+        return self._call("tokenizer_files", watched=False)
 
     def create_adapter(self, run_id: str, config: LoraConfig) -> None:
         self._call("create_adapter", run_id, config)
@@ -229,7 +257,7 @@ class RayEngine:
 
     def close(self) -> None:
         try:  # let pending snapshots land, but do not wait on an actor that is gone
-            ray.get(self.actor.call.remote("flush"), timeout=60)
+            ray.get(self.actor.call.remote(None, "flush"), timeout=60)
         except Exception as exc:
             log.warning("host actor of %s: snapshots not flushed at close: %s", self.base_model, exc)
         finally:

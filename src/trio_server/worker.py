@@ -172,6 +172,7 @@ class HostWorker:
         self.admitted_at: dict[str, float] = {}  # request id -> when it joined the decode batch
         self.decode_steps = 0  # decode steps run so far (tests and metrics watch it)
         self.cut_at = self.pass_tokens()  # the pass budget the queued requests are split by
+        self.engine.watch_restarts(self._host_restarted)
         self.thread = threading.Thread(target=self._loop, name=f"trio-worker-{ctx.base_model}", daemon=True)
         self.thread.start()
 
@@ -275,6 +276,16 @@ class HostWorker:
                     self.engine.offload(run_id)
                 except Exception as exc:  # the next step says what was lost, as after a crash
                     log.warning("run %s: its pending gradients could not be kept at stop: %s", run_id, exc)
+
+    def _host_restarted(self) -> None:
+        """The host (a Ray actor) restarted: every run resident there lost the gradients of
+        its calls since its last step (an offloaded run's are in its snapshot), and its next
+        step is refused naming them, also when calls are made before it (a step on part of
+        a batch). The runs come back from their snapshots on their next calls."""
+        for run_id in self.last_used:
+            if calls := self.ctx.unstepped.get(run_id):
+                self.ctx.lost[run_id] = calls
+        self.last_used.clear()
 
     def _loop(self) -> None:
         while True:

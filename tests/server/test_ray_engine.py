@@ -181,6 +181,38 @@ def test_actor_sigkill_continues_from_last_completed_step(cores):
     assert logprobs(tc) != pytest.approx(before, abs=1e-4)
 
 
+def test_calls_since_an_actor_restart_are_not_stepped_on_without_the_ones_it_lost(cores):
+    """Two forward_backward calls answered, the actor killed, the loop goes on: a third
+    call, then optim_step. The new actor holds the third call's gradients alone; the step
+    made on them was answered done (a third of the batch). It is refused naming the lost
+    calls, the third's gradients dropped too; run again, the step equals an uninterrupted one.
+    A run offloaded with its calls' gradients before the kill lost nothing: it steps on them."""
+    on_ray, _ = cores
+    svc = client(on_ray)
+    tc, reference, offloaded = (svc.create_lora_training_client(base_model=MODEL, rank=4, seed=11) for _ in range(3))
+    for k in range(2):
+        tc.forward_backward([datum(k)]).result()
+    for k in range(3):
+        offloaded.forward_backward([datum(k)]).result()
+    worker = on_ray.workers[MODEL]
+    del worker.last_used[offloaded.model_id]  # as HostWorker._offload_runs does it (the worker is idle)
+    worker.engine.offload(offloaded.model_id)
+    os.kill(tc.get_info().model_info["pid"], signal.SIGKILL)
+    logprobs(tc)  # a call that only reads waits out the restart (a training call would fail with it)
+    tc.forward_backward([datum(2)]).result()
+    with pytest.raises(trio.ServerError, match=r"gradients of the 3 forward_backward call\(s\) .* \(2 answered "
+                                               r"before it; the 1 made since are dropped"):
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    for trainee in (tc, reference):
+        for k in range(3):
+            trainee.forward_backward([datum(k)]).result()
+        trainee.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    offloaded.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    assert tc.get_info().step == offloaded.get_info().step == 1
+    assert logprobs(tc) == pytest.approx(logprobs(reference), abs=1e-6)
+    assert logprobs(offloaded) == pytest.approx(logprobs(reference), abs=1e-6)
+
+
 def test_a_snapshot_wait_does_not_hold_up_the_actors_calls(cores):
     """``durable`` runs in a concurrency group of its own: while it waits for a write not
     yet asked for, the actor answers calls, and the optim_step that asks for the write ends
@@ -195,7 +227,7 @@ def test_a_snapshot_wait_does_not_hold_up_the_actors_calls(cores):
     engine.durable(write)
     next_write = dataclasses.replace(write, write=write.write + 1, step=write.step + 1)
     waiting = engine.actor.durable.remote(next_write)
-    info = ray.get(engine.actor.call.remote("adapter_info", tc.model_id), timeout=120)
+    _, info = ray.get(engine.actor.call.remote(None, "adapter_info", tc.model_id), timeout=120)
     assert info.step == write.step
     assert ray.wait([waiting], timeout=0)[0] == []  # still waiting: nothing has asked for that write
     _, asked = engine.optim_step(tc.model_id, AdamConfig(learning_rate=1e-2))
