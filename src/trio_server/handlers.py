@@ -324,6 +324,8 @@ def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
     req: t.OptimStepRequest = item.request
     if lost := ctx.lost.pop(req.model_id, 0):
         _refuse_part_of_a_batch(ctx, req.model_id, lost)
+    # popped before the host is asked: a restart it finds now (HostWorker._host_restarted)
+    # leaves this run unmarked, its calls refused once below, not again at the next step
     calls = ctx.unstepped.pop(req.model_id, 0)
     before = ctx.engine.adapter_info(req.model_id).step if calls else None  # the host's own count
     metrics, write = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))

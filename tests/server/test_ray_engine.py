@@ -213,6 +213,25 @@ def test_calls_since_an_actor_restart_are_not_stepped_on_without_the_ones_it_los
     assert logprobs(offloaded) == pytest.approx(logprobs(reference), abs=1e-6)
 
 
+def test_a_step_that_first_hears_of_an_actor_restart_is_refused_once(cores):
+    """The step is the first call after the kill: it learns of the restart itself, finds
+    no gradients and is refused; the calls run again, the next step is made (it was
+    refused again, for the same lost calls)."""
+    on_ray, _ = cores
+    svc = client(on_ray)
+    tc, reference = (svc.create_lora_training_client(base_model=MODEL, rank=4, seed=13) for _ in range(2))
+    for k in range(2):
+        tc.forward_backward([datum(k)]).result()
+    os.kill(tc.get_info().model_info["pid"], signal.SIGKILL)
+    with pytest.raises(trio.ServerError, match=r"gradients of the 2 forward_backward call\(s\) .* were lost"):
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    for trainee in (tc, reference):
+        for k in range(2):
+            trainee.forward_backward([datum(k)]).result()
+        trainee.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    assert logprobs(tc) == pytest.approx(logprobs(reference), abs=1e-6)
+
+
 def test_a_snapshot_wait_does_not_hold_up_the_actors_calls(cores):
     """``durable`` runs in a concurrency group of its own: while it waits for a write not
     yet asked for, the actor answers calls, and the optim_step that asks for the write ends
