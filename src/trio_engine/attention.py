@@ -37,6 +37,7 @@ packed-sequence mask, N x N) is not made.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -70,12 +71,15 @@ def install(model: Any) -> None:
     model.set_attn_implementation(NAME)
 
 
-def packs(model: Any, longest: int) -> bool:
-    """Whether sequences of up to ``longest`` tokens can run packed through ``model``:
-    it attends through ``attend``, and no layer's sliding window is shorter (within a
-    window, a sliding layer is a plain causal one)."""
-    window = getattr(model.config, "sliding_window", None)
-    return model.config._attn_implementation == NAME and (window is None or longest <= window)
+def pack_limit(model: Any) -> float:
+    """The longest sequences that can run packed through ``model``'s attention: any when it
+    attends through ``attend`` without a sliding window, up to the window with one (within
+    it, a sliding layer is a plain causal one), none when it attends otherwise. Whether
+    anything else mixes tokens is the caller's to ask (``model.state_layers``)."""
+    if model.config._attn_implementation != NAME:
+        return 0
+    window = getattr(model.config.get_text_config(), "sliding_window", None)  # a multimodal model's is its text's
+    return math.inf if window is None else window
 
 
 @contextmanager

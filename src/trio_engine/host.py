@@ -45,6 +45,7 @@ from .model import (
     context_of,
     family_of,
     select_targets,
+    state_layers,
     text_forward_filter,
 )
 from .optim import AdamConfig, AdamState, adamw_step
@@ -159,6 +160,10 @@ class ModelHost:
         self.unembed = Head(self.model.get_output_embeddings(), self.family.transform(self.model.config))
         self.vocab_size = int(self.unembed.weight.shape[0])
         self.max_seq_len = context_of(self.model.config)
+        # Mamba, conv or linear-attention layers: their state would run from one packed
+        # sequence into the next, and the sampler's cache does not keep it
+        self.state_layers = state_layers(self.model)
+        self.pack_limit = 0 if self.state_layers else attention.pack_limit(self.model)
         self.max_batch_tokens = max_batch_tokens
         self.adapters: dict[str, Adapter] = {}
         self.lock = threading.RLock()  # one engine call at a time per host
@@ -419,7 +424,7 @@ class ModelHost:
         adapter for LoRA)."""
         ordered = sorted(rows, key=lambda r: -len(jobs[r[0]].examples[r[1]].tokens))
         lengths = [len(jobs[j].examples[i].tokens) for j, i in ordered]
-        packs = bool(lengths) and attention.packs(self.model, lengths[0])  # the longest decides
+        packs = bool(lengths) and lengths[0] <= self.pack_limit  # the longest decides
         ends = split_by_budget(lengths, self.max_batch_tokens) if packs else split_by_length(lengths, self.max_batch_tokens)
         start = 0
         for end in ends:
@@ -571,6 +576,11 @@ class ModelHost:
 
     def validate_sample(self, req: sampler.SampleRequest, k: int = 0) -> None:
         """Raise InvalidInputError naming the field (as ``requests[k].<field>``); touches no state."""
+        if self.state_layers:
+            raise InvalidInputError(
+                f"requests[{k}]: {self.model_name} cannot be sampled by TRIO: its {', '.join(self.state_layers)} "
+                "layers carry a state along the sequence, and the sampler's cache keeps attention's keys and "
+                "values alone (training and compute_logprobs work)", k, "base_model")
         sampler.validate_request(req, k, self.vocab_size, self.max_seq_len)
         if req.adapter_id is not None:
             self._adapter(req.adapter_id)

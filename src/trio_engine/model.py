@@ -155,6 +155,33 @@ def family_of(hf_config: Any) -> FamilySpec:
     return FAMILIES.get(getattr(hf_config, "model_type", ""), GENERIC)
 
 
+def text_config(hf_config: Any) -> Any:
+    """The config of a model's text part: a multimodal config's ``text_config`` (where
+    Gemma 3's keeps the context, sliding window and RoPE), else the config itself."""
+    get = getattr(hf_config, "get_text_config", None)
+    return get() if callable(get) else hf_config
+
+
+# Layer types (transformers' ``layer_types``, ``layers_block_type``) that mix tokens by attention alone
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention"})
+
+
+def state_layers(model: nn.Module) -> list[str]:
+    """What in the text forward mixes tokens outside attention, carrying a state along the
+    sequence (Mamba and other SSMs, short convolutions, linear attention), by name: the
+    config's other layer types, else the modules holding a causal convolution (each of
+    those has one). Sequences packed in one row would run on from each other's state, and
+    the sampler's cache keeps attention's keys and values alone. Empty: attention alone."""
+    config = text_config(model.config)
+    types = [*(getattr(config, "layer_types", None) or ()), *(getattr(config, "layers_block_type", None) or ())]
+    found = dict.fromkeys(kind for kind in types if kind not in ATTENTION_LAYERS)
+    if not found:
+        in_text = text_forward_filter(model)
+        found = dict.fromkeys(name.split(".")[-2] if "." in name else name for name, module in model.named_modules()
+                              if isinstance(module, nn.Conv1d) and in_text(name))
+    return list(found)
+
+
 def check_head(spec: FamilySpec, hf_config: Any) -> None:
     """Refuse a generic-spec model whose config names a logit transform we'd not apply.
 
@@ -163,7 +190,8 @@ def check_head(spec: FamilySpec, hf_config: Any) -> None:
     """
     if spec is not GENERIC:
         return
-    found = {k: getattr(hf_config, k) for k in HEAD_KEYS if getattr(hf_config, k, None) is not None}
+    config = text_config(hf_config)
+    found = {k: getattr(config, k) for k in HEAD_KEYS if getattr(config, k, None) is not None}
     if found:
         raise ModelNotAvailableError(
             f"model_type {getattr(hf_config, 'model_type', None)!r} is not a known family "
@@ -182,11 +210,12 @@ def context_of(hf_config: Any) -> int:
     its prompt's KV made with the short factors and the rest with the long ones, unlike
     the trainer's forward of the same tokens. Up to it, the short factors hold everywhere.
     """
-    context = int(getattr(hf_config, "max_position_embeddings", 4096))
-    for rope in _rope_parameter_sets(hf_config):
+    config = text_config(hf_config)
+    context = int(getattr(config, "max_position_embeddings", 4096))
+    for rope in _rope_parameter_sets(config):
         if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
             original = rope.get("original_max_position_embeddings") or getattr(
-                hf_config, "original_max_position_embeddings", None)
+                config, "original_max_position_embeddings", None)
             context = min(context, int(original or context))
     return context
 

@@ -49,8 +49,17 @@ QWEN3_MOE = _tiny("test/tiny-qwen3-moe", "qwen3_moe", tokenizer="qwen", moe_inte
 # and one with a shared expert (plain linears fed the block's tokens flattened) beside them
 QWEN2_MOE = _tiny("test/tiny-qwen2-moe", "qwen2_moe", tokenizer="qwen", moe_intermediate_size=16, num_experts=4,
                   num_experts_per_tok=2, shared_expert_intermediate_size=32)
+# Models that mix tokens outside attention too, carrying a state along the sequence
+# (test_hybrid.py): short convolutions (LFM2) and gated-delta-net linear attention (Qwen3-Next).
+HYBRIDS = {
+    "lfm2": _tiny("test/tiny-lfm2", "lfm2", tokenizer="smollm2", layer_types=["conv", "full_attention"],
+                  initializer_range=0.1),
+    "qwen3_next": _tiny("test/tiny-qwen3-next", "qwen3_next", tokenizer="qwen", initializer_range=0.1,
+                        layer_types=["linear_attention", "full_attention"], moe_intermediate_size=16, num_experts=4,
+                        num_experts_per_tok=2, shared_expert_intermediate_size=32),
+}
 TEST_CATALOG = Catalog({**BUILTIN_SOURCES, **{s.name: s for s in (*FAMILY_SOURCES.values(), LONGROPE, QWEN3_MOE,
-                                                                  QWEN2_MOE)}})
+                                                                  QWEN2_MOE, *HYBRIDS.values())}})
 
 
 def plain_model(name: str):

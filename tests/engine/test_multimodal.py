@@ -16,6 +16,7 @@ from trio_engine.lora import LoRALinear
 from .helpers import random_example, randomize_adapter, reference_logprobs
 
 VISION = "model.vision_tower."
+WINDOW = 4  # the text layers' sliding window (in text_config, as on the real checkpoints)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,8 @@ def folder(tmp_path_factory):
     config = AutoConfig.for_model(
         "gemma3", mm_tokens_per_image=4,
         text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16),
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=WINDOW,
+                         layer_types=["sliding_attention", "full_attention"], initializer_range=0.15),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14))
     torch.manual_seed(0)
@@ -150,3 +152,18 @@ def test_the_text_part_is_what_gets_wrapped():
     model.text.q_proj, model.vision.q_proj = nn.Linear(4, 4), nn.Linear(4, 4)
     lora.install(model, ["q_proj"], within=lambda path: not path.startswith("vision"))
     assert isinstance(model.text.q_proj, LoRALinear) and type(model.vision.q_proj) is nn.Linear
+
+
+def test_the_text_configs_window_and_context_hold(host, folder):
+    """Gemma 3's window and context are in ``text_config``: read off the top-level config,
+    a ragged batch longer than the window ran packed, its sliding layers attending to
+    everything (0.6-1 nats off), and the context was capped at 4096."""
+    from transformers import AutoConfig
+
+    assert host.max_seq_len == AutoConfig.from_pretrained(folder).text_config.max_position_embeddings > 4096
+    rng = random.Random(3)
+    examples = [random_example(host.vocab_size, n, rng) for n in (12, 5, 9)]
+    [result] = host.forward([ForwardJob(None, examples)])
+    reference = _plain(folder)
+    for example, ours in zip(examples, result.logprobs):
+        torch.testing.assert_close(torch.tensor(ours), _logprobs(reference, example), atol=1e-5, rtol=1e-5)
