@@ -89,6 +89,10 @@ class SampleRequest:
     num_samples: int = 1
     config: SamplingConfig = field(default_factory=SamplingConfig)
     prompt_logprobs: bool = False
+    # Who may reuse this request's KV from the prefix cache (the service: its user). Other
+    # scopes never share an entry, even on the base model: a hit, counted in the answer
+    # and faster, would tell one user the prompts and samples of another.
+    cache_scope: Hashable = None
 
 
 @dataclass
@@ -154,7 +158,8 @@ class PrefixCache:
     rollout: the last prompt, the tokens sampled for it, the new turn) prefills only its
     new tokens. Entries are keyed by ``(weights key, tokens)``: the weights key names the
     adapter and the exact state of its weights (``ModelHost.weights_key``), so KV made
-    with other weights (before an ``optim_step``, a load) is never reused. A hit leaves
+    with other weights (before an ``optim_step``, a load) is never reused, and the
+    request's ``cache_scope`` (its user), so no one reuses another's. A hit leaves
     at least one prompt token to run: its hidden state gives the first draw. Bounded by
     ``max_bytes`` of KV, least recently used out first; ``max_bytes=0`` turns it off.
     A match that ends inside an entry (the prompt parts from it, or is shorter) counts only
@@ -234,7 +239,7 @@ class _Admitted:
     request: SampleRequest
     gen: torch.Generator
     prompt_logprobs: list[float | None] | None
-    weights: Hashable = None  # the weights key its KV is made with (for the prefix cache)
+    weights: Hashable = None  # (weights key, cache scope) of its KV, for the prefix cache
     cached: int = 0  # prompt tokens reused from the prefix cache
     rows: list[_Row] = field(default_factory=list)
     decoding: int = 0
@@ -339,7 +344,7 @@ class DecodeBatch:
             return
         tickets = list(range(len(requests))) if tickets is None else tickets
         dev = self.host.device
-        weights = [self.host.weights_key(r.adapter_id) if self.prefix else None for r in requests]
+        weights = [(self.host.weights_key(r.adapter_id), r.cache_scope) if self.prefix else None for r in requests]
         hits = [self.prefix.lookup(w, r.prompt) if self.prefix and self._may_reuse(r) else (0, None)
                 for w, r in zip(weights, requests)]
         folded = [bool(self.rows) and 0 < n == len(r.prompt) - 1 for r, (n, _) in zip(requests, hits)]

@@ -235,7 +235,8 @@ def _sample_job(ctx: Context, item: WorkItem) -> SampleJob:
         stop_strings=tuple(s for s in stops if isinstance(s, str)),
         stop_token_ids=tuple(s for s in stops if isinstance(s, int)),
     )
-    request = SampleRequest(None, req.prompt.to_ints(), req.num_samples, config, req.include_prompt_logprobs)
+    request = SampleRequest(None, req.prompt.to_ints(), req.num_samples, config, req.include_prompt_logprobs,
+                            cache_scope=item.user_id)  # no user reuses another's KV (sampler.PrefixCache)
     return SampleJob(_sampler_weights(ctx, item.context["sampler"]), request)
 
 

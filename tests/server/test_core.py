@@ -954,6 +954,21 @@ def test_a_next_turn_reports_the_prompt_tokens_it_reused(tmp_path):
     core.close()
 
 
+def test_no_user_reuses_another_users_prompt_from_the_prefix_cache(tmp_path):
+    """Bob sent Alice's prompt and its first sampled tokens: his answer counted the tokens
+    the base model's cache held for her (one entry space for everyone), so by guessing on
+    he could read her prompts and samples token by token. Each user reuses their own."""
+    core = ServiceCore(tmp_path, dtype="float32")
+    alice, bob = (trio.ServiceClient(transport=LocalTransport(core, user)).create_sampling_client(base_model=MODEL)
+                  for user in ("alice", "bob"))
+    params = trio.SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)
+    secret = trio.ModelInput.from_ints([1, 5, 9, 200, 31, 7, 7, 300, 44, 12, 3, 18])
+    alice.sample(secret, 1, params).result()
+    assert bob.sample(secret, 1, params).result().prompt_cache_hit_tokens == 0
+    assert alice.sample(secret, 1, params).result().prompt_cache_hit_tokens == 11  # all but the last
+    core.close()
+
+
 def test_a_submit_past_a_queue_bound_is_refused_before_anything_changes_and_a_retry_still_answers(tmp_path):
     from pytrio import types as t
     from trio_server.errors import ServiceError
