@@ -207,7 +207,8 @@ class ServiceCore:
         self.finished: deque[tuple[float, str, str | None]] = deque()  # (when, request id, idempotency key)
         self.arrivals = itertools.count()
         self.pending_by_user: Counter[str] = Counter()  # accepted, unfinished requests (queue bounds)
-        self.unfinished: set[str] = set()  # their request ids
+        # their request ids -> the (run, seq) each holds in its run's order (None: none)
+        self.unfinished: dict[str, tuple[str, int] | None] = {}
         # False: other services use the data dir (``share_data_dir``), so no start-up recovery
         self._data_dir_lock, self.owns_data_dir = lock_data_dir(self.data_dir, share_data_dir)
         try:
@@ -347,7 +348,7 @@ class ServiceCore:
             item.arrival = next(self.arrivals)
             self.futures[item.request_id] = concurrent.futures.Future()
             self.owners[item.request_id] = user_id
-            self._count_pending(item.request_id, user_id)
+            self._count_pending(item)
             if idempotency_key:
                 self.idempotency[(user_id, idempotency_key)] = item.request_id
                 item.context["idempotency_key"] = idempotency_key
@@ -520,8 +521,9 @@ class ServiceCore:
     def _check_seq(self, item: WorkItem) -> None:
         assert item.run_id is not None and item.seq is not None
         expected = self.next_seq.get(item.run_id, 0)
-        queued = any(i.run_id == item.run_id and i.seq == item.seq for w in self.workers.values() for i in w.snapshot())
-        if item.seq < expected or queued:
+        # unfinished: queued, running, or its answer held for a snapshot (a copy accepted
+        # then would never run: its seq is not next once the first one's is answered)
+        if item.seq < expected or (item.run_id, item.seq) in self.unfinished.values():
             raise ServiceError("validation", f"seq: {item.seq} was already used for run {item.run_id} (next is {expected})", 409)
 
     def _check_quotas(self, item: WorkItem) -> None:
@@ -562,14 +564,15 @@ class ServiceCore:
         with self.lock:
             self._check_capacity(user_id, count)
 
-    def _count_pending(self, request_id: str, user_id: str) -> None:
-        self.unfinished.add(request_id)
-        self.pending_by_user[user_id] += 1
+    def _count_pending(self, item: WorkItem) -> None:
+        place = (item.run_id, item.seq) if item.run_id is not None and item.seq is not None else None
+        self.unfinished[item.request_id] = place
+        self.pending_by_user[item.user_id] += 1
 
     def _uncount_pending(self, request_id: str) -> None:
         """Under ``self.lock``: the request finished (or was never queued)."""
         if request_id in self.unfinished:
-            self.unfinished.discard(request_id)
+            del self.unfinished[request_id]
             user_id = self.owners.get(request_id, "")
             self.pending_by_user[user_id] -= 1
             if self.pending_by_user[user_id] <= 0:

@@ -829,6 +829,39 @@ def test_a_seq_still_queued_cannot_be_submitted_twice(tmp_path):
     core.close()
 
 
+def test_a_seq_running_cannot_be_submitted_twice(tmp_path):
+    """A copy of a running request's seq was accepted (only queued ones were looked at);
+    once the first was answered its seq was behind the run's next, so the copy stayed
+    pending for good, holding a slot of the user's queue bound and keeping the run's
+    later missing seqs from being skipped."""
+    from trio_server.errors import ServiceError
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    run_id = trainer(core).model_id
+    worker = core.workers[MODEL]
+    running, release = threading.Event(), threading.Event()
+    real = worker.engine.forward
+
+    def held_forward(jobs):
+        running.set()
+        release.wait(60)
+        return real(jobs)
+
+    worker.engine.forward = held_forward
+    body = {"model_id": run_id, "seq": 0, "loss_fn": "cross_entropy", "data": [DATUM.model_dump()]}
+    first = core.submit("local", "forward", body)
+    assert running.wait(60)
+    try:
+        with pytest.raises(ServiceError, match="seq: 0 was already used") as refused:
+            core.submit("local", "forward", body)
+        assert refused.value.status == 409
+    finally:
+        release.set()
+    wait_until(lambda: core._stored_outcome("local", first).status == "done", "the first to finish")
+    wait_until(lambda: not core.pending_by_user, "nothing left pending")
+    core.close()
+
+
 def test_a_run_records_its_next_seq_and_last_request_time(tmp_path):
     """What restarts and `trio runs list` read: the run's row, not only memory."""
     from trio_server.store import runs
