@@ -11,7 +11,8 @@ finished request leaves at once; ``generate`` admits everything and steps to the
 Sampling is a pure chain over fp32 logits (temperature -> top-k -> top-p -> draw) with
 one seeded ``torch.Generator`` per request, so a seed gives the same output whatever
 else shares the batch (on one kind of device: CPU and CUDA generators draw different
-streams; and in fp32: see ``DecodeBatch``'s "Seeds" for bf16). The logprob returned for a
+streams; in fp32, but for about one draw in 100,000 that the logits' last bits decide:
+see ``_draw``; and ``DecodeBatch``'s "Seeds" for bf16). The logprob returned for a
 token is log p(token) under the model (temperature 1), from the same unembedding + fp32
 log-softmax as the trainer's ``ModelHost.token_logprobs``, so importance ratios start at 1.
 
@@ -271,12 +272,14 @@ class DecodeBatch:
     the running one of width L pads the narrower of the two on the left to max(L, L').
     When rows leave, columns that no live row uses any more are cut off the left.
 
-    Seeds: each request draws from its own generator, one number per live row of it per
-    step, in its row order, so a seeded request gets the same tokens whatever else is in
-    the batch and whenever it was admitted. In bf16/fp16 KV reused from the prefix cache
+    Seeds: each request draws from its own generator, the same numbers per live row of it
+    per step, in its row order, so a seeded request gets the same tokens whatever else is
+    in the batch and whenever it was admitted (but where the logits' last bits, which move
+    with the batch, decide a draw: ``_draw``). In bf16/fp16 KV reused from the prefix cache
     rounds differently from a prefill of the whole prompt (enough to change sampled
-    tokens), so there a seeded request reuses none and gets the same tokens whatever was
-    sampled before; in fp32 the two agree and seeded requests reuse it too. In bf16 the
+    tokens), so there a request asking for reproducible tokens (seeded, or greedy) reuses
+    none and gets the same tokens whatever was sampled before; in fp32 the two agree and
+    every request reuses it. In bf16 the
     draws stay the same but the logits can round differently with the prompts prefilled in
     one pass with the request's: a padded prefill attends by SDPA's kernel where a lone
     prompt takes ``attention.grouped``, and bf16 matrix products round a row differently
@@ -406,8 +409,10 @@ class DecodeBatch:
         self.rows.extend(rows)
 
     def _may_reuse(self, request: SampleRequest) -> bool:
-        """Whether ``request`` may take KV from a prefix cache (see "Seeds" above)."""
-        return self.exact_reuse or request.config.seed is None
+        """Whether ``request`` may take KV from a prefix cache (see "Seeds" above): in bf16,
+        not one that asked for reproducible tokens (seeded, or greedy)."""
+        c = request.config
+        return self.exact_reuse or (c.seed is None and c.temperature > 0 and c.top_k != 1)
 
     def step(self) -> list[tuple[Hashable, SampleResult]]:
         """One token for every live row; returns the requests that finished, which leave.
@@ -631,25 +636,37 @@ def _logits(host: SamplingHost, hidden: torch.Tensor, adapters) -> torch.Tensor:
 def _draw(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
     """Sample one token per row, rows of a request drawing from that request's generator.
 
-    Rows whose requests filter alike (temperature, top-k, top-p) share one pass of the
-    chain; only the uniform numbers are drawn per request, from its own generator, so the
-    draws are those each request would make alone.
+    Rows whose requests filter alike (temperature, top-k, top-p, seeded or not) share one
+    pass of the chain; only the random numbers are drawn per request, from its own
+    generator, so the draws are those each request would make alone.
+
+    A row's logits move in their last bits with the rows beside it (fp32 matrix products
+    round a row differently with the number of rows), so a draw that such a change can
+    flip must be rare where the request asked for reproducible tokens. An unseeded row
+    draws by inverse CDF: one uniform number, but a flip whenever it lands among tokens
+    whose probabilities are below the noise of the running sum (1 draw in ~700 on the
+    bundled model). A seeded row takes the exponential race, argmax(p / E) with E ~ Exp(1)
+    per token (an exact draw from p): a flip needs its two best ratios within the logits'
+    noise (~1 draw in 100,000), at the cost of a random number per vocabulary entry.
+    Greedy rows (temperature 0, or top-k 1: bf16 logits tie) take the argmax.
     """
     out = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    groups: dict[tuple[float, int, float], list[int]] = {}
+    groups: dict[tuple[float, int, float, bool], list[int]] = {}
     for j, row in enumerate(rows):
         c = row.owner.request.config
-        groups.setdefault((c.temperature, c.top_k, c.top_p), []).append(j)
-    for js in groups.values():
+        groups.setdefault((c.temperature, c.top_k, c.top_p, c.seed is not None), []).append(j)
+    for (_, _, _, seeded), js in groups.items():
         idx = _rows_index(js, logits.device)
         config = rows[js[0]].owner.request.config
-        if config.temperature == 0:
+        if config.temperature == 0 or config.top_k == 1:
             out[idx] = logits[idx].argmax(-1)
             continue
-        # one number per row, in row order, from the generator of the row's request
+        probs = filtered_probs(logits[idx], config)
+        # random numbers per row, in row order, from the generator of the row's request
         runs = [list(run) for _, run in itertools.groupby(js, key=lambda j: id(rows[j].owner))]
-        u = torch.cat([_uniform(len(run), rows[run[0]].owner.gen, logits.device) for run in runs])
-        out[idx] = _inverse_cdf(filtered_probs(logits[idx], config), u)
+        width = probs.shape[-1] if seeded else 1
+        u = torch.cat([_uniform(len(run), width, rows[run[0]].owner.gen, logits.device) for run in runs])
+        out[idx] = _exponential_race(probs, u) if seeded else _inverse_cdf(probs, u)
     return out
 
 
@@ -681,9 +698,9 @@ def filtered_probs(logits: torch.Tensor, c: SamplingConfig) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def _uniform(n: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    """(n, 1) uniform numbers in [0, 1): the only randomness of a draw."""
-    return torch.rand(n, 1, generator=gen, dtype=torch.float32, device=device)
+def _uniform(n: int, width: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """(n, width) uniform numbers in [0, 1): the only randomness of a draw."""
+    return torch.rand(n, width, generator=gen, dtype=torch.float32, device=device)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -693,6 +710,12 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """
     cdf = probs.cumsum(-1)  # (R, V)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+
+
+def _exponential_race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row from (R, V) probabilities, given uniform numbers (R, V): the token
+    whose p / E is largest, E = -log u ~ Exp(1) (u = 0 gives E = inf, a ratio of 0)."""
+    return (probs / -u.log()).argmax(-1)
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:
