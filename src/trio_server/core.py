@@ -37,8 +37,22 @@ from pytrio.errors import describe_validation_error
 
 from . import checkpoints as ckpt
 from .engine import Engine, EngineSettings, LocalEngine, snapshot_path
-from .errors import RESTART_MESSAGE, DataDirInUse, ServiceError, not_found, over_capacity
-from .handlers import Context, expired, remove_checkpoint, remove_expired_checkpoints, set_expiry
+from .errors import (
+    RESTART_MESSAGE,
+    DataDirInUse,
+    ServiceError,
+    check_quota,
+    not_found,
+    over_capacity,
+)
+from .handlers import (
+    Context,
+    check_checkpoint_bytes,
+    expired,
+    remove_checkpoint,
+    remove_expired_checkpoints,
+    set_expiry,
+)
 from .queueing import QueueInfo, describe
 from .scheduler import WorkItem
 from .store import Store, dumps, later, now
@@ -533,15 +547,10 @@ class ServiceCore:
             queued = sum(i.user_id == item.user_id and i.op in ("create_model", "create_model_from_state")
                          for w in self.workers.values() for i in w.snapshot())
             used = len(self.store.select(runs_table, user_id=item.user_id)) + queued
-            _quota("max_runs_per_user", "runs", used, lim.max_runs_per_user,
+            check_quota("max_runs_per_user", "runs", used, lim.max_runs_per_user,
                    "runs are kept (there is no deleting one), so ask the operator for more")
-        if (isinstance(req, t.SaveWeightsRequest) and req.kind != "ephemeral"
-                and lim.max_checkpoint_bytes_per_user is not None):
-            # expired ones take no room (the save itself removes them, off this request path)
-            used = sum(r["size_bytes"] or 0 for r in self.store.select(checkpoints_table, user_id=item.user_id)
-                       if not expired(r))
-            _quota("max_checkpoint_bytes_per_user", "checkpoint bytes", used, lim.max_checkpoint_bytes_per_user,
-                   "delete checkpoints, or ask the operator for more")
+        if isinstance(req, t.SaveWeightsRequest):  # and again when it runs (queued saves are not counted)
+            check_checkpoint_bytes(self.store, item.user_id, req.kind, lim.max_checkpoint_bytes_per_user)
 
     def _check_capacity(self, user_id: str, count: int = 1) -> None:
         """Called under ``self.lock``, before anything changes: 429 when ``count`` more of the
@@ -604,7 +613,8 @@ class ServiceCore:
         with self.lock:
             if base_model not in self.workers:
                 ctx = Context(base_model, self._new_engine(base_model), self.store, self.data_dir,
-                              self.limits.ephemeral_samplers_per_run, unstepped=Counter(self.calls_since_step),
+                              self.limits.ephemeral_samplers_per_run, self.limits.max_checkpoint_bytes_per_user,
+                              unstepped=Counter(self.calls_since_step),
                               lost=Counter(self.lost_calls))
                 order = Sequencing(self.next_seq, self.lock, self.limits.seq_gap_seconds)
                 self.workers[base_model] = HostWorker(ctx, lambda item, r: self.resolve(item, *r), order,
@@ -880,10 +890,3 @@ def _checkpoint_of(row: dict) -> t.Checkpoint:
     metadata = json.loads(row["user_metadata"]) if row["user_metadata"] else None
     return t.Checkpoint(**{k: v for k, v in row.items() if k not in ("user_id", "user_metadata")},
                         user_metadata=metadata)
-
-
-def _quota(name: str, what: str, used: int, limit: int, remedy: str) -> None:
-    """A 403 (category validation: retrying will not help) when ``used`` reached ``limit``."""
-    if used >= limit:
-        raise ServiceError("validation", f"quota {name}: this user has {used} {what}, the limit is {limit}; "
-                           f"{remedy}", 403)

@@ -46,5 +46,12 @@ def retry_after_headers(retry_after: float | None) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(retry_after))), "retry-after-ms": str(int(retry_after * 1000))}
 
 
+def check_quota(name: str, what: str, used: int, limit: int, remedy: str) -> None:
+    """A 403 (category validation: retrying will not help) when ``used`` reached ``limit``."""
+    if used >= limit:
+        raise ServiceError("validation", f"quota {name}: this user has {used} {what}, the limit is {limit}; "
+                           f"{remedy}", 403)
+
+
 def not_found(what: str) -> ServiceError:
     return ServiceError("not_found", f"{what} not found", 404)

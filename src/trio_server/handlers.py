@@ -40,7 +40,7 @@ from trio_engine import (
 
 from . import checkpoints as ckpt
 from .engine import Engine, Failure, SampleJob, failure_from
-from .errors import ServiceError
+from .errors import ServiceError, check_quota
 from .metrics import StepTotals
 from .scheduler import WorkItem, tokens
 from .splitting import Split, in_whole_request, split_of
@@ -64,6 +64,7 @@ class Context:
     store: Store
     data_dir: Path
     ephemeral_per_run: int = 8  # unnamed sampler weights a run keeps (Limits.ephemeral_samplers_per_run)
+    checkpoint_bytes_per_user: int | None = None  # Limits.max_checkpoint_bytes_per_user
     # run id -> the sums of its forming step (None: a call of it could not be counted)
     steps: dict[str, StepTotals | None] = field(default_factory=dict)
     # run id -> forward_backward calls done since its last step (or load): an optim_step
@@ -380,6 +381,8 @@ def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:
     removes the checkpoints whose TTL has run out (and the archives made to download them),
     so a run that saves with TTLs keeps its disk bounded."""
     req: t.SaveWeightsRequest = item.request
+    # checked at submit too, where the saves queued before this one are not yet counted
+    check_checkpoint_bytes(ctx.store, item.user_id, req.kind, ctx.checkpoint_bytes_per_user)
     name = req.name or f"{item.seq:010d}"
     path = ckpt.make_path(req.model_id, req.kind, name)
     with _writing(path):  # no sweep or delete removes this path until its record is written
@@ -405,6 +408,17 @@ def _save_weights(ctx: Context, item: WorkItem) -> t.SaveWeightsResponse:
         _expire_ephemeral(ctx, req.model_id)
     remove_expired_checkpoints(ctx.store, ctx.data_dir)
     return t.SaveWeightsResponse(path=path)
+
+
+def check_checkpoint_bytes(store: Store, user_id: str, kind: str, limit: int | None) -> None:
+    """A 403 when the user's checkpoints reached ``limit`` bytes (so the last save allowed
+    may pass it by its own size). Ephemeral sampler weights are never refused (a run keeps
+    its newest few); expired checkpoints take no room (every save removes them)."""
+    if kind == "ephemeral" or limit is None:
+        return
+    used = sum(r["size_bytes"] or 0 for r in store.select(checkpoints_table, user_id=user_id) if not expired(r))
+    check_quota("max_checkpoint_bytes_per_user", "checkpoint bytes", used, limit,
+                "delete checkpoints, or ask the operator for more")
 
 
 def _expire_ephemeral(ctx: Context, run_id: str) -> None:

@@ -305,6 +305,22 @@ def test_run_and_checkpoint_quotas_refuse_before_any_change(quota_server):
     tc.save_weights_and_get_sampling_client()  # ephemeral sampler weights are not refused
 
 
+def test_saves_pipelined_past_the_checkpoint_quota_are_refused_when_they_run(quota_server):
+    """Saves submitted back to back all passed the check at submit (the queued ones are not
+    counted yet): 8 of 15 were kept, 3.3 times the quota. Each is checked again when it
+    runs, so the quota is passed by one checkpoint at most, as documented."""
+    import pytrio as trio
+
+    tc = quota_client(quota_server).create_lora_training_client(base_model="trio/tiny-llama", rank=2)
+    saves = [tc.save_state(f"pipelined-{k}") for k in range(4)]
+    assert saves[0].result().path.endswith("pipelined-0")
+    for later in saves[1:]:
+        with pytest.raises(trio.ValidationError, match="quota max_checkpoint_bytes_per_user"):
+            later.result()
+    assert sorted(p.name for p in (quota_server.data_dir / "checkpoints" / tc.model_id / "weights").iterdir()) == [
+        "pipelined-0"]
+
+
 # -- TLS --------------------------------------------------------------------------------
 
 def self_signed(folder):
