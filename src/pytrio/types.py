@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
+    AfterValidator,
     AllowInfNan,
     BaseModel,
     ConfigDict,
@@ -35,6 +36,40 @@ from .errors import ValidationError
 
 # No leading '.', no '..', no trailing newline ($ would allow one): a name is one safe file name.
 CHECKPOINT_NAME = re.compile(r"^(?!.*\.\.)[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}\Z")
+
+
+def lone_surrogate_at(value: Any, where: str = "") -> str | None:
+    """Where in a JSON value a string holds a lone UTF-16 surrogate, as ``messages[0].content``
+    (None: nowhere). JSON's ``"\\ud800"`` parses to one; it is not text, and no UTF-8 reply
+    can carry it (a stored one broke every later listing of its owner's). A walk with a
+    stack of its own: a value nested as deep as a parser allows is no error here."""
+    stack = [(where, value)]
+    while stack:
+        at, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return at or "body"
+            continue
+        pairs = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
+        for key, inner in reversed(list(pairs)):  # reversed: the first is found first
+            # the name goes into a UTF-8 reply: a key's surrogate as its escape
+            shown = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else key
+            name = f"{at}[{shown}]" if isinstance(key, int) else f"{at}.{shown}" if at else str(shown)
+            stack.append((name, inner))
+            if isinstance(key, str):
+                stack.append((name, key))
+    return None
+
+
+def _text(value: str) -> str:
+    if lone_surrogate_at(value) is not None:
+        raise ValueError("holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_text)]  # a string kept and sent back: Unicode text
 
 
 INT64_MAX = 2**63 - 1  # the widest integer the store (SQLite, Postgres BIGINT) keeps
@@ -607,7 +642,7 @@ class SaveWeightsRequest(_RunRequest):
     kind: Literal["weights", "sampler_weights", "ephemeral"]
     overwrite: bool = False  # False: a used name is refused (409)
     ttl_seconds: TTLSeconds | None = None  # removed this long after the save; None: kept
-    user_metadata: dict[str, str] | None = None  # kept with the checkpoint, listed with it
+    user_metadata: dict[Text, Text] | None = None  # kept with the checkpoint, listed with it
 
     @field_validator("name")
     @classmethod

@@ -274,7 +274,7 @@ def _unix(iso: str) -> int:
 async def _body(request: Request, model: type[w.Common]) -> Any:
     try:
         data = json.loads(await request.body() or b"null")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
         raise w.bad_param(None, f"malformed JSON: {exc}") from None
     return w.parse(model, data)
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from pytrio.types import Seed
+from pytrio.types import Seed, lone_surrogate_at
 
 # -- errors ------------------------------------------------------------------------------
 
@@ -162,7 +162,7 @@ def parse(model: type[Common], data: Any) -> Any:
     """A validated body; a bad field is a 400 naming it (``messages[0].content``)."""
     if not isinstance(data, dict):
         raise bad_param(None, "the request body must be a JSON object")
-    if (where := _not_unicode(data)) is not None:
+    if (where := lone_surrogate_at(data)) is not None:
         raise bad_param(where, f"{where}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
     try:
         body = model.model_validate(data)
@@ -172,23 +172,6 @@ def parse(model: type[Common], data: Any) -> Any:
         raise bad_param(param, f"{param}: {error['msg']}, got {_short(error.get('input'))}") from None
     _check_neutral(body, data)
     return body
-
-
-def _not_unicode(value: Any, where: str = "") -> str | None:
-    """Where in a JSON value a string holds a lone surrogate (JSON's ``"\\ud800"`` parses to
-    one; no tokenizer takes it), as ``messages[0].content``; None if nowhere."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return where or "body"
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        found = _not_unicode(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key)
-        if found is not None:
-            return found
-    return None
 
 
 def _param(loc: Iterable[Any]) -> str:

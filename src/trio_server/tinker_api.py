@@ -453,6 +453,14 @@ class _AnsweredRoute(APIRoute):
         return answered
 
 
+def _user_metadata(body: dict) -> Any:
+    """A create's ``user_metadata``, kept to list with the run: refused if it is not text."""
+    metadata = body.get("user_metadata")
+    if (where := t.lone_surrogate_at(metadata, "user_metadata")) is not None:
+        raise ServiceError("validation", f"{where}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
+    return metadata
+
+
 def _page(items: list, limit: int, offset: int) -> tuple[list, dict]:
     return items[offset:offset + limit], {"offset": offset, "limit": limit, "total_count": len(items)}
 
@@ -523,11 +531,12 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         model_id = f"{need(b, 'session_id')}:train:{need(b, 'model_seq_id')}"
         lora = {k: v for k, v in (b.get("lora_config") or {}).items()
                 if k in ("rank", "seed", "train_mlp", "train_attn", "train_unembed")}
+        metadata = _user_metadata(b)
         if refusal := _not_adamw(b):
             return {"request_id": door.local_future(user_id, door._raise(refusal)), "model_id": model_id}
         rid = door.submit(user_id, "create_model", {"base_model": need(b, "base_model"), "lora_config": lora},
                           f"tinker:{model_id}:create")
-        door.remember(model_id, user_id, rid, b.get("user_metadata"))
+        door.remember(model_id, user_id, rid, metadata)
         return {"request_id": rid, "model_id": model_id}
 
     @r.post("/get_info")
@@ -633,11 +642,12 @@ def create_router(core: ServiceCore, auth: bool = True) -> APIRouter:
         if b.get("session_id") is not None:  # a new training client from a checkpoint (its seq 0)
             door.check_session(user_id, need(b, "session_id"))
             model_id = f"{need(b, 'session_id')}:train:{need(b, 'model_seq_id')}"
+            metadata = _user_metadata(b)
             if refusal := _not_adamw(b) or _other_base_model(core, user_id, path, b.get("base_model")):
                 return {"request_id": door.local_future(user_id, door._raise(refusal)), "model_id": model_id}
             rid = door.submit(user_id, "create_model_from_state", {"path": path, "with_optimizer": bool(b.get("optimizer"))},
                               f"tinker:{model_id}:create")
-            door.remember(model_id, user_id, rid, b.get("user_metadata"))
+            door.remember(model_id, user_id, rid, metadata)
             return {"request_id": rid, "model_id": model_id}
         model_id = b.get("model_id") or ""
         key, req, refused = await door.in_run_order(user_id, model_id, b.get("seq_id"))

@@ -99,6 +99,22 @@ def test_malformed_and_mistyped_bodies_get_4xx_with_message(server, body, status
     assert r.json()["error"]["message"]
 
 
+def test_user_metadata_that_is_not_text_is_refused_and_the_users_listings_keep_working(server):
+    """JSON's "\\ud800" parses to a lone surrogate: save_weights kept it, and from then on
+    every listing of the user's checkpoints was a 500 (a reply cannot encode it)."""
+    key = server.core.store.create_api_key("metadata")
+    service = trio.ServiceClient(base_url=server.url, api_key=key)
+    tc = service.create_lora_training_client(base_model=MODEL, rank=2)
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    for metadata, where in (('{"k": "a\\ud800"}', "user_metadata.k"), ('{"\\udfff": "v"}', "user_metadata")):
+        body = f'{{"model_id": "{tc.model_id}", "seq": 9, "kind": "sampler_weights", "user_metadata": {metadata}}}'
+        r = httpx.post(server.url + "/api/v1/save_weights", content=body, headers=headers)
+        assert r.status_code == 422 and where in r.json()["error"]["message"], r.text
+        assert "not text" in r.json()["error"]["message"]
+    assert service.create_rest_client().list_user_checkpoints() == []
+    assert httpx.get(server.url + "/api/v1/checkpoints", headers=headers).status_code == 200
+
+
 def test_wrong_types_in_forward_name_the_field(server):
     key = server.core.store.create_api_key("w")
     r = httpx.post(server.url + "/api/v1/forward", headers={"Authorization": f"Bearer {key}"},

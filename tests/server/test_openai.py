@@ -479,6 +479,13 @@ def test_a_lone_surrogate_is_400_naming_where_not_a_server_error(server, alice, 
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_json_nested_deeper_than_the_parser_goes_is_a_400(server, alice):
+    """It was a 500 ("maximum recursion depth exceeded"); the other doors answered 400."""
+    r = httpx.post(server.url + "/openai/v1/completions", content=b'{"model": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                   headers={"Authorization": f"Bearer {alice.key}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"], r.text
+
+
 def test_top_p_zero_is_greedy(alice):
     """OpenAI allows top_p = 0: the likeliest token alone, whatever the temperature and seed."""
     greedy = alice.client.chat.completions.create(model=TINY, messages=HELLO, max_tokens=8, temperature=0)

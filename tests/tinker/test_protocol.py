@@ -7,6 +7,7 @@ the SDK's own protobuf encoder, to an in-process server on the tiny Llama.
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -429,6 +430,17 @@ def test_routes_not_served_are_named_as_such(alice):
                   alice.get("sessions/s-1/trace_export"), alice.get("no/such/route")):
         assert reply.status_code == 404 and "not served by TRIO" in reply.text, reply.text
     assert httpx.post(alice.url + "copy_weights", json={}).status_code == 401  # still a key first
+
+
+def test_a_create_whose_user_metadata_is_not_text_is_refused_and_the_run_list_keeps_working(alice):
+    """A lone surrogate ("\\ud800" in JSON) kept with a run broke the user's listing of runs."""
+    session = alice.post("create_session", {"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    body = json.dumps({"session_id": session, "model_seq_id": 0, "base_model": TINY, "lora_config": {"rank": 4},
+                       "type": "create_model", "user_metadata": {"note": "a\ud800"}})  # sent as "a\\ud800"
+    reply = httpx.post(alice.url + "create_model", content=body, timeout=60,
+                       headers={"X-API-Key": alice.key, "Content-Type": "application/json"})
+    assert reply.status_code == 400 and "user_metadata.note: holds a lone UTF-16 surrogate" in reply.text, reply.text
+    assert alice.get("training_runs").status_code == 200
 
 
 def test_a_served_route_called_with_another_method_is_a_405_naming_the_methods_it_takes(alice):
