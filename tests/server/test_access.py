@@ -251,6 +251,26 @@ def test_a_declared_length_over_the_limit_is_refused_before_the_body(server):
     assert r.status_code == 413 and "100001 bytes" in r.json()["error"]["message"]
 
 
+def test_the_default_body_bound_follows_the_largest_request_allowed(tmp_path):
+    """128 bytes per token of max_tokens_per_request (twice a ppo batch's 60): 64 MiB, the
+    bound before, let in 500 times the largest request, a body whose parse held every
+    tenant's calls for 9 s."""
+    from trio_server.app import BODY_BYTES_PER_TOKEN
+    from trio_server.core import Limits
+
+    core = ServiceCore(tmp_path, dtype="float32", limits=Limits(max_tokens_per_request=20_000))
+    srv = ServerThread(create_app(core, auth=False))
+    try:
+        bound = BODY_BYTES_PER_TOKEN * 20_000
+        over = httpx.post(srv.url + "/api/v1/create_model", content=b"x" * (bound + 1))
+        assert over.status_code == 413 and f"{bound + 1} bytes" in over.json()["error"]["message"]
+        assert httpx.post(srv.url + "/api/v1/create_model", content=b"x" * bound).status_code == 422  # read, parsed
+    finally:
+        srv.stop()
+        core.close()
+    assert BODY_BYTES_PER_TOKEN * Limits().max_tokens_per_request == 16 << 20
+
+
 # -- quotas -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
