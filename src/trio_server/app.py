@@ -41,7 +41,7 @@ log = logging.getLogger("trio.server")
 # A request body's bound: per token of the largest request allowed (Limits.max_tokens_per_request),
 # about twice what one needs (a ppo batch of 131,072 tokens, five numbers each, is 60 bytes a
 # token: 7.5 MiB), and at least 1 MiB. A body is parsed into Python objects on the event loop
-# before any limit of the request is checked, a few seconds for 16 MiB of one-digit numbers
+# before any limit of the request is checked: 2.4 s for 16 MiB of one-digit numbers here
 # (64 MiB, the bound before, stalled every tenant's calls 9 s and took 1.3 GB).
 BODY_BYTES_PER_TOKEN = 128
 PUBLIC_PATHS = {"/api/v1/healthz"}
