@@ -75,6 +75,7 @@ MIN_BYTES_PER_TOKEN = 8  # the SDK's estimate of a datum: 4 bytes a token, + at 
 KEY_PREFIX = "tml-"
 PROTO = "application/x-protobuf"
 LOCAL_PREFIX = "tinker-"  # request ids of futures this module holds, not the core
+LOCAL_FUTURES_KEPT = 10_000  # done futures held here at most, besides the 600 s (TinkerDoor._forget_old)
 CATEGORY = {"validation": "user", "not_found": "user", "capacity": "user", "authentication": "user",
             "server": "server"}
 
@@ -251,7 +252,10 @@ class TinkerDoor:
 
     @staticmethod
     async def _raise(exc: ServiceError) -> Reply:
-        raise exc
+        # kept for retrieval: not with the frames it was raised through (the route's, holding
+        # the request's body: 38 MiB a refused call with a 20 MB field), nor what it replaced
+        exc.__context__ = exc.__cause__ = None
+        raise exc.with_traceback(None)
 
     def local_future(self, user_id: str, work: Awaitable[Reply], key: str | None = None) -> str:
         if key and (user_id, key) in self.local_by_key:  # a resend: the first one's future
@@ -267,11 +271,24 @@ class TinkerDoor:
             self.local_by_key[(user_id, key)] = request_id
         return request_id
 
+    @staticmethod
+    def _local_reply(request_id: str, task: asyncio.Future[Reply]) -> Reply:
+        if (error := task.exception()) is None:
+            return task.result()
+        if isinstance(error, ServiceError):
+            return Reply.failed(error.category, error.message)
+        # a bug here must not become a 5xx the SDK retries forever
+        log.error("tinker future %s failed", request_id, exc_info=error)
+        return Reply.failed("server", f"internal error: {error}")
+
     def _forget_old(self, keep_seconds: float = 600.0) -> None:
-        cutoff = time.monotonic() - keep_seconds
-        for rid, fut in list(self.local.items()):
-            if fut.task.done() and fut.created < cutoff:
+        """Drop the done futures older than ``keep_seconds``, and the oldest done ones past
+        ``LOCAL_FUTURES_KEPT`` (refused calls come as fast as a client sends them)."""
+        cutoff, excess = time.monotonic() - keep_seconds, len(self.local) - LOCAL_FUTURES_KEPT
+        for rid, fut in list(self.local.items()):  # oldest first
+            if fut.task.done() and (fut.created < cutoff or excess > 0):
                 del self.local[rid]
+                excess -= 1
         for key, rid in list(self.local_by_key.items()):
             if rid not in self.local:
                 del self.local_by_key[key]
@@ -279,15 +296,10 @@ class TinkerDoor:
     async def retrieve(self, user_id: str, request_id: str) -> Response:
         local = self.local.get(request_id)
         if local is not None and local.user_id == user_id:
-            try:
-                reply = await asyncio.wait_for(asyncio.shield(local.task), POLL_SECONDS)
-            except asyncio.TimeoutError:
+            # read, not raised: a raise would add this poll's frames to the kept exception
+            if not (await asyncio.wait({local.task}, timeout=POLL_SECONDS))[0]:
                 return self.try_again(request_id)
-            except ServiceError as exc:
-                reply = Reply.failed(exc.category, exc.message)
-            except Exception as exc:  # a bug here must not become a 5xx the SDK retries forever
-                log.exception("tinker future %s failed", request_id)
-                reply = Reply.failed("server", f"internal error: {exc}")
+            reply = self._local_reply(request_id, local.task)
             return Response(reply.body, media_type=reply.media_type)
         if request_id.startswith(LOCAL_PREFIX) and local is None:  # held by a process that has ended
             reply = Reply.failed("server", RESTART_MESSAGE)

@@ -101,7 +101,9 @@ class Client:
 
 @pytest.fixture(scope="module")
 def alice(server):
-    return Client(server.url, "tml-" + server.core.store.create_api_key("alice"))
+    client = Client(server.url, "tml-" + server.core.store.create_api_key("alice"))
+    client.core = server.core
+    return client
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +261,35 @@ def test_refusals_are_failed_futures_not_retryable_statuses(alice):
     assert alice.post("session_heartbeat", {}).status_code == 422
     unknown = alice.optim_step("sess-000000000000:train:9", 1)
     assert unknown.status_code == 200 and "not found" in alice.result(unknown.json()["request_id"]).json()["error"]
+
+
+def test_a_refused_call_keeps_its_message_not_its_request(alice, monkeypatch):
+    """A refusal's future kept the exception with the frames it was raised through, the
+    route's, holding the request's body (38 MiB a call with a 20 MB field, for 10 minutes,
+    and as many as a client sent). It keeps the message, and at most LOCAL_FUTURES_KEPT
+    done futures are held."""
+    import gc
+
+    from trio_server import tinker_api
+
+    [door] = [o for o in gc.get_objects() if isinstance(o, tinker_api.TinkerDoor) and o.core is alice.core]
+    monkeypatch.setattr(tinker_api, "LOCAL_FUTURES_KEPT", 3)
+    for k in range(6):  # unknown sampling sessions, one with a large field the server ignores
+        reply = alice.post("asample", {"sampling_session_id": f"sess-000000000000:sample:{k}", "seq_id": 0,
+                                       "num_samples": 1, "prompt": {"chunks": [{"tokens": TOKENS}]},
+                                       "sampling_params": {}, "junk": "x" * 1_000_000})
+        refused = alice.result(reply.json()["request_id"]).json()
+        assert refused["category"] == "user" and "not found" in refused["error"]
+    assert len(door.local) <= 4  # 3 done, and the newest
+    for future in door.local.values():
+        error = future.task.exception()
+        assert error.__context__ is None and error.__cause__ is None
+        frames = []
+        tb = error.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        assert frames == ["_raise"], frames  # no route frame (and its body) held
 
 
 def test_a_refused_call_keeps_its_place_in_its_run(alice):
