@@ -39,13 +39,15 @@ measures it).
 
 Sampling is continuous (``next_work``): the worker keeps one running decode batch, and
 sample requests are admitted into it, up to ``max_decoding`` at once, in fair order (the
-user with the smallest tag first, each admission charged like a batch of one). Between
+user with the smallest tag first, each admission charged like a batch of one), and past
+that one request of each user with none in the batch (``NEWCOMER_SLOTS``). Between
 two decode steps at most one other batch (training, checkpoints, ...) runs, so training
 waits at most one decode step, and sampling waits at most one pass.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,6 +181,10 @@ def charge(fair: Fairness, batch: list[WorkItem]) -> Fairness:
 
 
 MAX_DECODING = 64  # requests in the running decode batch; later ones join as others leave
+# Past MAX_DECODING, a user with no request in the decode batch still gets one in, up to this
+# many more: one user's long samples filling every slot kept another's 4-token sample
+# waiting for them (12.8 s where it takes 0.15 s), as no running request is preempted.
+NEWCOMER_SLOTS = 16
 
 
 @dataclass(frozen=True)
@@ -193,20 +199,32 @@ class Work:
 
 def next_work(pending: list[WorkItem], next_seq: dict[str, int], decoding: int, fair: Fairness | None = None,
               max_decoding: int = MAX_DECODING, max_tokens: int | None = None,
-              max_pass_tokens: int | None = None) -> Work:
+              max_pass_tokens: int | None = None, decoding_users: Collection[str] = ()) -> Work:
     """The sample requests to admit now and the next other batch (``next_batch``).
 
-    ``decoding`` is how many requests the decode batch holds; admissions fill it up to
-    ``max_decoding``, one at a time to the user with the smallest tag (so one user's many
-    samples do not keep another's out of a freed slot), each charged as it is admitted.
+    ``decoding`` is how many requests the decode batch holds, ``decoding_users`` whose they
+    are; admissions fill it up to ``max_decoding``, one at a time to the user with the
+    smallest tag (so one user's many samples do not keep another's out of a freed slot),
+    each charged as it is admitted. Past that, a user with none in the batch gets one in,
+    up to ``NEWCOMER_SLOTS`` more (a full batch of another's long samples is not a wait).
     """
     state = fair or Fairness()
     samples = sorted((i for i in pending if i.op == "sample"), key=lambda i: i.arrival)
     admit: list[WorkItem] = []
-    while samples and len(admit) < max_decoding - decoding:
-        item = min(samples, key=lambda i: state.tag(i.user_id))  # ties: the older (min keeps the first)
+    present = set(decoding_users)
+    while samples:
+        if len(admit) < max_decoding - decoding:
+            candidates = samples
+        elif decoding + len(admit) < max_decoding + NEWCOMER_SLOTS:
+            candidates = [i for i in samples if i.user_id not in present]
+        else:
+            break
+        if not candidates:
+            break
+        item = min(candidates, key=lambda i: state.tag(i.user_id))  # ties: the older (min keeps the first)
         samples.remove(item)
         admit.append(item)
+        present.add(item.user_id)
         state = charge(state, [item])
     others = [i for i in pending if i.op != "sample"]
     batch = next_batch(others, next_seq, max_tokens=max_tokens, fair=state, max_pass_tokens=max_pass_tokens)

@@ -405,7 +405,8 @@ class HostWorker:
             self.pending = [maybe_split(item, budget) if split_of(item) is None else item for item in self.pending]
             self.cut_at = budget
         return next_work(self.pending, self.order.next_seq, len(self.decoding), self.fair,
-                         max_tokens=self.max_batch_tokens, max_pass_tokens=budget)
+                         max_tokens=self.max_batch_tokens, max_pass_tokens=budget,
+                         decoding_users={item.user_id for item in self.decoding.values()})
 
     def _skip_missing_seqs(self) -> None:
         with self.cond:

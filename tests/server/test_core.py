@@ -920,6 +920,51 @@ def test_a_request_has_left_running_when_it_is_resolved(tmp_path):
     core.close()
 
 
+def test_a_users_sample_joins_a_decode_batch_full_of_anothers(tmp_path):
+    """Alice's long samples fill every slot (MAX_DECODING); Bob's short one joins the next
+    step all the same (it waited for all of hers: 12.8 s for a 4-token sample), and
+    another of Alice's does not."""
+    from trio_server.scheduler import MAX_DECODING
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    alice, bob = (trio.ServiceClient(transport=LocalTransport(core, user)).create_sampling_client(base_model=MODEL)
+                  for user in ("alice", "bob"))
+    worker = core.workers[MODEL]
+    permits, real_decode = threading.Semaphore(0), worker.engine.decode
+    admitted: list[set[str]] = []  # who joined at each step
+
+    def gated_decode(admit, max_steps=1):
+        admitted.append({core.owners[rid] for rid in admit})
+        permits.acquire()
+        return real_decode(admit, max_steps)
+
+    released = [0]
+
+    def step_until(condition, what: str) -> None:
+        """Let the worker take one decode step each time it is waiting for one, until ``condition``."""
+        def check() -> bool:
+            if condition():
+                return True
+            if len(admitted) > released[0]:
+                permits.release()
+                released[0] += 1
+            return False
+        wait_until(check, what)
+
+    worker.engine.decode = gated_decode
+    prompt = trio.ModelInput.from_ints([1, 5, 9, 200])
+    params = trio.SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)
+    hers = [alice.sample(prompt, 1, params) for _ in range(MAX_DECODING)]
+    step_until(lambda: len(worker.decoding) == MAX_DECODING, "Alice's samples to fill the decode batch")
+    more, his = alice.sample(prompt, 1, params), bob.sample(prompt, 1, trio.SamplingParams(max_tokens=4))
+    step_until(lambda: "bob" in admitted[-1], "Bob's sample to join")
+    assert len(worker.decoding) == MAX_DECODING + 1 and admitted[-1] == {"bob"} and released[0] < 25
+    permits.release(1000)
+    assert len(his.result().sequences[0].tokens) == 4
+    assert all(len(f.result().sequences[0].tokens) == 30 for f in [*hers, more])
+    core.close()
+
+
 def test_a_short_sample_joins_a_running_decode_and_finishes_first(tmp_path):
     """Continuous batching in the worker: a sample request submitted while a long one decodes
     joins its batch and is resolved as soon as it is done, and a training call queued meanwhile

@@ -170,8 +170,24 @@ def test_samples_are_admitted_up_to_the_room_left_and_another_batch_is_chosen_be
     work = next_work(pending, {}, decoding=60, max_decoding=63)
     assert [i.request_id for i in work.admit] == ["s0", "s1", "s2"]  # oldest first, 3 slots free
     assert [i.request_id for i in work.batch] == ["f"]  # training is not held behind sampling
-    full = next_work(pending, {}, decoding=63, max_decoding=63)
+    full = next_work(pending, {}, decoding=63, max_decoding=63, decoding_users={"u"})
     assert full.admit == [] and [i.request_id for i in full.batch] == ["f"]
+
+
+def test_a_user_with_nothing_decoding_gets_a_request_into_a_full_batch():
+    """One user's long samples filled every slot: another's 4-token sample waited for them
+    (12.8 s where it takes 0.15 s). A user with none in the batch gets one request in past
+    the bound, up to NEWCOMER_SLOTS more; the full user's wait for freed slots."""
+    from trio_server.scheduler import NEWCOMER_SLOTS, next_work
+
+    pending = [sample_item("a9", "a", arrival=0)] + [sample_item(f"{u}{k}", u, arrival=1 + k)
+                                                     for u in "bc" for k in range(2)]
+    work = next_work(pending, {}, decoding=64, max_decoding=64, decoding_users={"a"})
+    assert sorted(i.request_id for i in work.admit) == ["b0", "c0"]  # one each, a's waits
+    full = next_work(pending, {}, decoding=64 + NEWCOMER_SLOTS, max_decoding=64, decoding_users={"a"})
+    assert full.admit == []
+    last = next_work(pending, {}, decoding=64 + NEWCOMER_SLOTS - 1, max_decoding=64, decoding_users={"a"})
+    assert len(last.admit) == 1
 
 
 def test_one_users_many_samples_do_not_keep_anothers_out_of_the_free_slots():
@@ -184,4 +200,5 @@ def test_one_users_many_samples_do_not_keep_anothers_out_of_the_free_slots():
     # each admission billed: a twice; b's one is behind virtual time (a1's start) and forgotten
     assert (work.fair.vtime, work.fair.finish) == (per_request, {"a": 2 * per_request})
     ahead = next_work(pending, {}, decoding=0, max_decoding=1, fair=Fairness(finish={"a": 5.0}))
-    assert [i.request_id for i in ahead.admit] == ["b0"]  # a was served more: b goes first
+    assert [i.request_id for i in ahead.admit] == ["b0", "a0"]  # a was served more: b goes first
+    # (and a, with nothing decoding, gets one in past the bound: NEWCOMER_SLOTS)
