@@ -91,10 +91,15 @@ BUILTIN_SOURCES: dict[str, ModelSource] = {
 
 
 class Catalog:
-    """Name -> ModelSource, plus extra folders registered with ``add_folder``."""
+    """Name -> ModelSource, plus extra folders registered with ``add_folder``.
 
-    def __init__(self, sources: dict[str, ModelSource] | None = None):
+    ``downloads``: whether a hub model not in the local Hugging Face cache may be fetched
+    when first named (on for one user's own machine; ``trio serve`` turns it off unless
+    ``--allow-downloads``: any user naming any hub model would fill the disk and memory)."""
+
+    def __init__(self, sources: dict[str, ModelSource] | None = None, downloads: bool = True):
         self.sources = dict(BUILTIN_SOURCES if sources is None else sources)
+        self.downloads = downloads
         for name, path in _folders_from_env().items():
             self.add_folder(name, path)
 
@@ -110,6 +115,12 @@ class Catalog:
         source = self.sources.get(name) or ModelSource(name=name, kind="hub")
         if source.kind == "hub":
             _check_hub_name(name)
+        if source.kind == "hub" and not self.downloads and not _hub_cached(name):
+            raise ModelNotAvailableError(
+                f"base_model {name!r} is not available: this server serves the models it has and fetches no "
+                f"other (its operator can add one to the Hugging Face cache, or start it with --allow-downloads). "
+                f"Available models: {self.available()}"
+            )
         if source.kind == "hub" and not _hub_cached(name) and not _hub_reachable():
             raise ModelNotAvailableError(
                 f"base_model {name!r} is not available: it is not in the local Hugging Face "

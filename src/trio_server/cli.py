@@ -133,6 +133,7 @@ def limits_from(args: argparse.Namespace) -> Any:
 def serve(args: argparse.Namespace) -> None:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):  # before the slow imports
         sys.exit("trio serve: --ssl-certfile and --ssl-keyfile go together (got only one)")
+    from trio_engine import Catalog
     from trio_engine.device import KEEP_FREED_ENV, kept_freed_bytes
 
     # A long-running shared server keeps its memory flat: keeping all freed memory
@@ -165,7 +166,7 @@ def serve(args: argparse.Namespace) -> None:
         core = ServiceCore(
             _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits_from(args),
             engine=args.engine, ray_address=args.ray_address, device=args.device,
-            ray_placement=dict(args.ray_place or []),
+            ray_placement=dict(args.ray_place or []), catalog=Catalog(downloads=args.allow_downloads),
         )
     except (DataDirInUse, ValueError) as exc:  # another server on the data dir; no such device
         sys.exit(f"trio serve: {exc}")
@@ -367,6 +368,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="auto|cpu|cuda|cuda:N; auto picks CUDA when available (default $TRIO_DEVICE or auto)")
     p.add_argument("--ssl-certfile", metavar="PEM", help="serve HTTPS with this certificate (chain); needs --ssl-keyfile")
     p.add_argument("--ssl-keyfile", metavar="PEM", help="the certificate's private key")
+    p.add_argument("--allow-downloads", action="store_true",
+                   help="fetch a hub model a user names that is not in the local Hugging Face cache (default: "
+                        "serve only the models here; any user could otherwise fill the disk and memory)")
     p.add_argument("--no-auth", action="store_true", help="no API keys: localhost development only")
     p.set_defaults(func=serve)
 

@@ -21,6 +21,18 @@ def test_missing_hub_model_fails_fast_listing_available(monkeypatch):
     assert "Qwen/Qwen3-4B-Instruct-2507" in str(err.value) and DEFAULT_MODEL in str(err.value)
 
 
+def test_with_downloads_off_a_hub_model_not_cached_is_refused_without_asking_the_hub(monkeypatch):
+    """trio serve's default: any user naming any hub model made the server fetch and load
+    it (disk and memory for everyone)."""
+    from trio_engine import catalog
+
+    monkeypatch.setattr(catalog, "_hub_reachable", lambda: pytest.fail("the hub was asked"))
+    with pytest.raises(ModelNotAvailableError, match=r"fetches no other .*--allow-downloads") as err:
+        Catalog(downloads=False).resolve("Qwen/Qwen3-4B-Instruct-2507")
+    assert DEFAULT_MODEL in str(err.value)
+    assert Catalog(downloads=False).resolve("trio/tiny-llama").kind == "tiny"  # what is here is served
+
+
 def test_local_folder_model(tmp_path, qwen_host):
     from trio_engine import ModelHost
 

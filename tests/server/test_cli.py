@@ -92,6 +92,23 @@ def test_a_port_in_use_a_bad_database_or_an_unknown_model_is_a_one_line_error(tm
         cli.main(["tokenizers", "install", "--cache-dir", str(tmp_path / "hub"), "no/such-model"])
 
 
+@pytest.mark.parametrize("flags, downloads", [((), False), (("--allow-downloads",), True)])
+def test_serve_fetches_no_hub_model_unless_allowed(tmp_path, monkeypatch, flags, downloads):
+    """Any user naming any hub model made a shared server fetch and load it."""
+    from trio_server import cli, core
+
+    made = {}
+
+    def refused_core(*args, **kwargs):
+        made.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(core, "ServiceCore", refused_core)
+    with pytest.raises(SystemExit, match="stop here"):
+        cli.main(["serve", "--port", "0", "--data-dir", str(tmp_path), *flags])
+    assert made["catalog"].downloads is downloads
+
+
 def test_a_bad_bound_on_kept_freed_memory_is_refused_at_start(tmp_path, monkeypatch):
     from trio_server import cli
 
