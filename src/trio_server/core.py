@@ -809,7 +809,10 @@ class ServiceCore:
         """A tar archive of the checkpoint folder (built once, then served with ranges)."""
         row = self._checkpoint(user_id, path)
         folder = self.checkpoint_dir(row["run_id"], row["kind"], row["name"])
-        return ckpt.archive(folder, self.data_dir / "archives")
+        try:
+            return ckpt.archive(folder, self.data_dir / "archives")
+        except FileNotFoundError:  # deleted (or swept) while its archive was built
+            raise not_found(f"checkpoint {path!r}") from None
 
     def close(self) -> None:
         """Stop every worker (each finishes its running batch), then free the data dir; at

@@ -76,6 +76,16 @@ class Context:
     def checkpoint_folder(self, path: str) -> str:
         return str(ckpt.folder(self.data_dir, *ckpt.parse_path(path)))
 
+    def checkpoint_to_load(self, path: str) -> str:
+        """The folder of a checkpoint a call loads now. It was there when the call was
+        accepted; deleted or expired since, it is a 404 naming the path (a load ran on an
+        expired one, and a deleted one's error named the server's folder)."""
+        row = self.store.get(checkpoints_table, path=path)
+        if row is None or expired(row):
+            raise ServiceError("not_found", f"checkpoint {path!r} no longer exists (deleted or expired since this "
+                               "call was accepted)", 404)
+        return self.checkpoint_folder(path)
+
 
 Result = tuple[pydantic.BaseModel | None, ServiceError | None]
 
@@ -311,7 +321,7 @@ def _create_model(ctx: Context, item: WorkItem) -> t.CreateModelResponse:
 def _create_model_from_state(ctx: Context, item: WorkItem) -> t.CreateModelResponse:
     req: t.CreateModelFromStateRequest = item.request
     run_id = item.context["run_id"]
-    config = ctx.engine.load_state(run_id, ctx.checkpoint_folder(req.path), req.with_optimizer)
+    config = ctx.engine.load_state(run_id, ctx.checkpoint_to_load(req.path), req.with_optimizer)
     _insert_run(ctx, item, run_id, config, step=ctx.engine.adapter_info(run_id).step)
     return t.CreateModelResponse(model_id=run_id, base_model=ctx.base_model)
 
@@ -495,7 +505,7 @@ def set_expiry(store: Store, path: str, expires_at: str | None) -> bool:
 def _load_weights(ctx: Context, item: WorkItem) -> t.LoadWeightsResponse:
     req: t.LoadWeightsRequest = item.request
     # The checkpoint's adapter replaces the run's, its rank and targets too: the run reports them.
-    config = ctx.engine.load_state(req.model_id, ctx.checkpoint_folder(req.path), req.with_optimizer)
+    config = ctx.engine.load_state(req.model_id, ctx.checkpoint_to_load(req.path), req.with_optimizer)
     ctx.steps.pop(req.model_id, None)  # the loaded weights come without the pending gradients
     ctx.unstepped.pop(req.model_id, None)
     ctx.lost.pop(req.model_id, None)
@@ -516,7 +526,7 @@ def _get_info(ctx: Context, item: WorkItem) -> t.GetInfoResponse:
 def _create_sampler(ctx: Context, item: WorkItem) -> t.CreateSamplerResponse:
     req: t.CreateSamplerRequest = item.request
     # load now, so a bad checkpoint fails here rather than at the first sample
-    ctx.engine.prepare_sampler(None if req.model_path is None else ctx.checkpoint_folder(req.model_path))
+    ctx.engine.prepare_sampler(None if req.model_path is None else ctx.checkpoint_to_load(req.model_path))
     sampler_id = "sampler-" + secrets.token_hex(8)
     ctx.store.insert(samplers_table, sampler_id=sampler_id, user_id=item.user_id, base_model=ctx.base_model,
                      model_path=req.model_path, created_at=now())

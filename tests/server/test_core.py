@@ -862,6 +862,45 @@ def test_a_seq_running_cannot_be_submitted_twice(tmp_path):
     core.close()
 
 
+def test_a_load_of_a_checkpoint_expired_or_deleted_after_it_was_accepted_is_a_404(tmp_path):
+    """Accepted while the checkpoint was there, run after: an expired one loaded all the
+    same, and a deleted one failed naming the server's folder (as a validation error)."""
+    from trio_server.store import checkpoints
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    tc = trainer(core)
+    expiring, deleted = (tc.save_state(name).result().path for name in ("expiring", "deleted"))
+    worker = core.workers[MODEL]
+    running, release = threading.Event(), threading.Event()
+    real = worker.engine.forward
+
+    def held_forward(jobs):
+        running.set()
+        release.wait(60)
+        return real(jobs)
+
+    worker.engine.forward = held_forward
+    held = tc.forward([DATUM])
+    assert running.wait(60)
+    try:
+        load = core.submit("local", "load_weights", {"model_id": tc.model_id, "seq": 3, "path": expiring})  # after the forward
+        from_state = core.submit("local", "create_model_from_state", {"path": deleted, "with_optimizer": False})
+        sampler = core.submit("local", "create_sampler", {"model_path": expiring})
+        core.store.update(checkpoints, "path", expiring, expires_at="2000-01-01T00:00:00.000+00:00")
+        core.delete_checkpoint("local", deleted)
+    finally:
+        release.set()
+    held.result()
+    from pytrio.futures import run_sync
+
+    for request_id, path in ((load, expiring), (from_state, deleted), (sampler, expiring)):
+        outcome = run_sync(LocalTransport(core).retrieve(request_id, 60))
+        assert outcome.status == "failed" and outcome.error.category == "not_found", outcome
+        assert f"checkpoint '{path}' no longer exists" in outcome.error.message
+        assert str(tmp_path) not in outcome.error.message
+    core.close()
+
+
 def test_a_run_records_its_next_seq_and_last_request_time(tmp_path):
     """What restarts and `trio runs list` read: the run's row, not only memory."""
     from trio_server.store import runs
