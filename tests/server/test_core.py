@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -33,6 +35,25 @@ def trainer(core: ServiceCore, user: str = "local", seed: int | None = None) -> 
     """A rank-2 training client of the tiny model on ``core``, for ``user``."""
     return trio.ServiceClient(transport=LocalTransport(core, user)).create_lora_training_client(
         base_model=MODEL, rank=2, seed=seed)
+
+
+@contextlib.contextmanager
+def forward_held(worker) -> Iterator[threading.Event]:
+    """The worker's forward passes wait in the engine until the block ends; the event is
+    set once one is waiting (the worker is then busy: what is submitted queues)."""
+    running, release = threading.Event(), threading.Event()
+    real = worker.engine.forward
+
+    def held(jobs):
+        running.set()
+        release.wait(60)
+        return real(jobs)
+
+    worker.engine.forward = held
+    try:
+        yield running
+    finally:
+        release.set()
 
 
 def record_outcomes(worker) -> dict:
@@ -838,25 +859,13 @@ def test_a_seq_running_cannot_be_submitted_twice(tmp_path):
 
     core = ServiceCore(tmp_path, dtype="float32")
     run_id = trainer(core).model_id
-    worker = core.workers[MODEL]
-    running, release = threading.Event(), threading.Event()
-    real = worker.engine.forward
-
-    def held_forward(jobs):
-        running.set()
-        release.wait(60)
-        return real(jobs)
-
-    worker.engine.forward = held_forward
     body = {"model_id": run_id, "seq": 0, "loss_fn": "cross_entropy", "data": [DATUM.model_dump()]}
-    first = core.submit("local", "forward", body)
-    assert running.wait(60)
-    try:
+    with forward_held(core.workers[MODEL]) as running:
+        first = core.submit("local", "forward", body)
+        assert running.wait(60)
         with pytest.raises(ServiceError, match="seq: 0 was already used") as refused:
             core.submit("local", "forward", body)
         assert refused.value.status == 409
-    finally:
-        release.set()
     wait_until(lambda: core._stored_outcome("local", first).status == "done", "the first to finish")
     wait_until(lambda: not core.pending_by_user, "nothing left pending")
     core.close()
@@ -870,26 +879,14 @@ def test_a_load_of_a_checkpoint_expired_or_deleted_after_it_was_accepted_is_a_40
     core = ServiceCore(tmp_path, dtype="float32")
     tc = trainer(core)
     expiring, deleted = (tc.save_state(name).result().path for name in ("expiring", "deleted"))
-    worker = core.workers[MODEL]
-    running, release = threading.Event(), threading.Event()
-    real = worker.engine.forward
-
-    def held_forward(jobs):
-        running.set()
-        release.wait(60)
-        return real(jobs)
-
-    worker.engine.forward = held_forward
-    held = tc.forward([DATUM])
-    assert running.wait(60)
-    try:
+    with forward_held(core.workers[MODEL]) as running:
+        held = tc.forward([DATUM])
+        assert running.wait(60)
         load = core.submit("local", "load_weights", {"model_id": tc.model_id, "seq": 3, "path": expiring})  # after the forward
         from_state = core.submit("local", "create_model_from_state", {"path": deleted, "with_optimizer": False})
         sampler = core.submit("local", "create_sampler", {"model_path": expiring})
         core.store.update(checkpoints, "path", expiring, expires_at="2000-01-01T00:00:00.000+00:00")
         core.delete_checkpoint("local", deleted)
-    finally:
-        release.set()
     held.result()
     from pytrio.futures import run_sync
 
