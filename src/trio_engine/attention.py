@@ -194,9 +194,17 @@ def _matmul_path(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
         if attention_mask.dtype == torch.bool and attention_mask.shape[1:3] == (1, 1):
             return True, ~attention_mask[:, :, None]  # (B, 1, 1, 1, S) over (B, Hkv, group, 1, S)
         return _SDPA
+    if batch * heads * length * key.shape[2] > GROUPED_MAX_SCORES:
+        return _SDPA
     if (attention_mask is None and kwargs.get("is_causal", getattr(module, "is_causal", True))
-            and key.shape[2] == length and batch * heads * length * length <= GROUPED_MAX_SCORES):
+            and key.shape[2] == length):
         return True, torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)  # the future
+    if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1:
+        # several prompts prefilled in one padded pass, as a lone one is (else the sampler's
+        # logprobs of an RL group sent at once drew 0.35 nats from the trainer's); a query
+        # with no key to see (left padding) sees them all instead, finite and never read
+        hidden = ~attention_mask[:, :, None]  # (B, 1, 1, T, S)
+        return True, hidden & ~hidden.all(-1, keepdim=True)
     return _SDPA
 
 

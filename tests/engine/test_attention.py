@@ -152,16 +152,13 @@ def test_a_bf16_decode_step_over_the_samplers_kv_buffers_hides_their_room(paddin
     torch.testing.assert_close(out, copied, rtol=0, atol=2 ** -7)
 
 
-@pytest.mark.parametrize("case", ["fp32", "fp32 decode", "mask", "float mask decode", "per-head mask decode",
+@pytest.mark.parametrize("case", ["fp32", "fp32 decode", "float mask decode", "per-head mask decode",
                                   "not causal", "is_causal=False", "too many scores", "not square"])
 def test_attend_leaves_every_other_call_to_sdpa(case, grouped_calls, monkeypatch):
     one_row = case.endswith("decode")
     q, k, v = _qkv(torch.float32 if case.startswith("fp32") else torch.bfloat16,
                    q_length=1 if one_row else 3 if case == "not square" else None)
     mask = None
-    if case == "mask":  # not a causal pattern, so dropping it would show
-        mask = torch.rand(2, 1, 5, 5, generator=torch.Generator().manual_seed(1)) < 0.6
-        mask |= torch.eye(5, dtype=torch.bool)
     if case == "float mask decode":
         mask = torch.zeros(2, 1, 1, 5, dtype=torch.bfloat16)
     if case == "per-head mask decode":
@@ -170,19 +167,40 @@ def test_attend_leaves_every_other_call_to_sdpa(case, grouped_calls, monkeypatch
     kwargs = {"is_causal": False} if case == "is_causal=False" else {}
     out, _ = attention.attend(_causal_module(case != "not causal"), q, k, v, mask, scaling=0.3, **kwargs)
     assert grouped_calls == []
-    causal = case not in ("mask", "not causal", "is_causal=False") and not one_row
+    causal = case not in ("not causal", "is_causal=False") and not one_row
     if case == "not square":  # transformers crops SDPA's causal keys to the queries' length
         k, v = k[:, :, :3], v[:, :, :3]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padding", ["a padding query sees one key", "a padding query sees none"])
+def test_a_bf16_pass_of_several_queries_under_a_mask_takes_the_grouped_path(padding, grouped_calls):
+    """Prompts prefilled together in one padded pass attend as a lone prompt does (by bf16
+    matmuls), so the sampler's logprobs stay the trainer's; SDPA's kernel there drew them
+    0.35 nats apart. Any boolean pattern holds (here not a causal one); a query with no
+    key to see (SDPA would give NaN) gets finite numbers, never read."""
+    q, k, v = _qkv(torch.bfloat16)
+    mask = torch.rand(2, 1, 5, 5, generator=torch.Generator().manual_seed(1)) < 0.6
+    mask |= torch.eye(5, dtype=torch.bool)
+    mask[0, :, :2, :] = False  # two padding queries
+    mask[0, :, 2:, :2] = False  # whose keys no real query sees
+    if padding == "a padding query sees one key":
+        mask[0, :, :2, 0] = True  # as transformers' mask function makes them
+    out, _ = attention.attend(_causal_module(), q, k, v, mask, scaling=0.3)
+    assert grouped_calls == [q.shape] and torch.isfinite(out).all()
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.3,
+                                          enable_gqa=True).transpose(1, 2)
+    real = mask.any(-1)[:, 0]  # (B, T): queries with a key to see
+    torch.testing.assert_close(out.double()[real], want[real], rtol=0, atol=0.05)
+
+
 @pytest.mark.parametrize("shape", ["left padding", "after a cached prefix"])
-def test_a_masked_pass_of_several_queries_gives_sdpa_the_groups_unrepeated(shape, dtype, monkeypatch):
+def test_a_masked_pass_of_several_queries_gives_sdpa_the_groups_unrepeated(shape, monkeypatch):
     """transformers repeats keys and values under a mask; attend hands SDPA the grouped
     heads as they are, with the same results to the bit (transformers' own path is the
-    reference)."""
+    reference). (In bf16 such a pass takes ``grouped``: above.)"""
+    dtype = torch.float32
     q, k, v = (t.detach() for t in _qkv(dtype, length=7, q_length=7 if shape == "left padding" else 3))
     allowed = torch.arange(q.shape[2])[:, None] + (7 - q.shape[2]) >= torch.arange(7)[None, :]  # causal
     mask = allowed.expand(2, 1, q.shape[2], 7).clone()
