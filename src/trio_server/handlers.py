@@ -339,8 +339,12 @@ def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
     # popped before the host is asked: a restart it finds now (HostWorker._host_restarted)
     # leaves this run unmarked, its calls refused once below, not again at the next step
     calls = ctx.unstepped.pop(req.model_id, 0)
-    before = ctx.engine.adapter_info(req.model_id).step if calls else None  # the host's own count
-    metrics, write = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))
+    try:
+        before = ctx.engine.adapter_info(req.model_id).step if calls else None  # the host's own count
+        metrics, write = ctx.engine.optim_step(req.model_id, AdamConfig(**req.adam_params.model_dump()))
+    except Exception:  # not stepped: the calls are still to step on (lost, if the host died in it)
+        ctx.unstepped[req.model_id] += calls
+        raise
     totals = ctx.steps.pop(req.model_id, None)
     if calls and int(metrics["step"]) == before:  # the host had no gradients
         raise _lost_calls(calls, "its model host restarted")

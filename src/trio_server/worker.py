@@ -434,14 +434,14 @@ class HostWorker:
         for used, run_id in sorted((used, run_id) for run_id, used in self.last_used.items()):
             if used >= cutoff and excess <= 0:
                 return
-            if run_id in queued:
+            if run_id in queued or run_id not in self.last_used:  # gone: a host restart emptied the map
                 continue
-            del self.last_used[run_id]
-            try:
+            try:  # resident until it is out: a host restart found here marks it like the others
                 self.engine.offload(run_id)
             except Exception as exc:  # e.g. its snapshot could not be written: it stays, counted, tried later
                 self.last_used[run_id] = time.monotonic()
                 log.warning("run %s not offloaded: %s", run_id, exc)
                 continue
+            self.last_used.pop(run_id, None)
             excess -= 1
             log.info("offloaded run %s to disk (unused for %.0f s)", run_id, time.monotonic() - used)

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -349,6 +350,33 @@ def test_an_optim_step_whose_gradients_a_host_restart_lost_fails_and_changes_not
     core.close()
 
 
+def test_a_step_the_host_died_in_is_refused_when_sent_again_not_made_on_nothing(tmp_path):
+    """The Ray actor died during an optim_step ("submit it again"): the step had taken its
+    run's count of calls, so the step sent again found no gradients on the new actor and
+    no calls counted, and was answered done having trained nothing."""
+    from trio_server.errors import ServiceError
+    from trio_server.ray_engine import HOST_RESTART_MESSAGE
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    tc = trainer(core)
+    for _ in range(2):
+        tc.forward_backward([DATUM]).result()
+    engine = core.workers[MODEL].engine
+
+    def dying(run_id, config):
+        engine.host.zero_grad(run_id)  # the new actor holds none
+        del engine.optim_step
+        raise ServiceError("server", HOST_RESTART_MESSAGE, 500)
+
+    engine.optim_step = dying
+    with pytest.raises(trio.ServerError, match="restarted while this request was in flight"):
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    with pytest.raises(trio.ServerError, match=r"gradients of the 2 forward_backward call\(s\) .* were lost"):
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    assert tc.get_info().step == 0
+    core.close()
+
+
 def test_a_step_whose_snapshot_landed_but_not_its_record_is_answered_done_after_a_restart(tmp_path):
     """A crash after a step's snapshot is written and before its record is stored (a
     PostgreSQL blip holds the record up to a minute) leaves the step made and its request
@@ -644,14 +672,19 @@ class _OffloadRecorder:
     def __init__(self) -> None:
         self.offloaded: list[str] = []
         self.failing: set[str] = set()
+        self.restarted = False  # the next call finds the host restarted (as RayEngine._call does)
+        self.notify: Any = None
 
     def offload(self, run_id: str) -> None:
+        if self.restarted:
+            self.restarted = False
+            self.notify()
         if run_id in self.failing:
             raise OSError(f"no space left writing the snapshot of {run_id}")
         self.offloaded.append(run_id)
 
     def watch_restarts(self, notify) -> None:
-        pass
+        self.notify = notify
 
     def close(self) -> None:
         pass
@@ -689,6 +722,21 @@ def test_a_run_whose_offload_fails_stays_counted_and_the_next_goes_instead():
     assert worker.engine.offloaded == ["b", "c"]  # still two over the limit after a failed
     assert set(worker.last_used) == {"a", "d"}  # a is still in memory: tracked, tried again later
     assert worker.last_used["a"] > worker.last_used["d"]  # ... once the others have had their turn
+
+
+def test_a_host_restart_found_by_an_offload_marks_every_resident_run_and_the_loop_goes_on():
+    """The offload was the first call after the restart: the run it was sending out had left
+    the resident map first, so it was not marked (its next step made on the calls since
+    alone), and the next run's removal raised KeyError in the worker's thread."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    worker = _stopped_worker(60, None, {"a": 120, "b": 119})
+    worker.ctx = SimpleNamespace(unstepped=Counter({"a": 2, "b": 3}), lost=Counter())  # type: ignore[assignment]
+    worker.engine.restarted = True
+    worker._offload_runs()
+    assert worker.ctx.lost == {"a": 2, "b": 3}
+    assert worker.engine.offloaded == ["a"] and worker.last_used == {}  # b was not resident any more
 
 
 def test_with_no_run_resident_there_is_nothing_to_offload():
