@@ -42,25 +42,47 @@ def lone_surrogate_at(value: Any, where: str = "") -> str | None:
     """Where in a JSON value a string holds a lone UTF-16 surrogate, as ``messages[0].content``
     (None: nowhere). JSON's ``"\\ud800"`` parses to one; it is not text, and no UTF-8 reply
     can carry it (a stored one broke every later listing of its owner's). A walk with a
-    stack of its own: a value nested as deep as a parser allows is no error here."""
-    stack = [(where, value)]
+    stack of its own (a value nested as deep as a parser allows is no error here) that
+    holds containers only and names a place only once found: a body of millions of numbers
+    costs a pass over them, no more."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
     while stack:
-        at, item = stack.pop()
+        item, path = stack.pop()
         if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return at or "body"
+            if not _is_text(item):
+                return _place(where, path)
             continue
         pairs = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
-        for key, inner in reversed(list(pairs)):  # reversed: the first is found first
-            # the name goes into a UTF-8 reply: a key's surrogate as its escape
-            shown = key.encode("utf-8", "backslashreplace").decode() if isinstance(key, str) else key
-            name = f"{at}[{shown}]" if isinstance(key, int) else f"{at}.{shown}" if at else str(shown)
-            stack.append((name, inner))
-            if isinstance(key, str):
-                stack.append((name, key))
+        for key, inner in pairs:
+            if isinstance(key, str) and not _is_text(key):
+                return _place(where, (*path, key))
+            if isinstance(inner, str):
+                if not _is_text(inner):
+                    return _place(where, (*path, key))
+            elif isinstance(inner, dict | list):
+                stack.append((inner, (*path, key)))
     return None
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _place(where: str, path: tuple) -> str:
+    """``where`` + ``path`` as ``messages[0].content``; a key's surrogate as its escape (the
+    name goes into a UTF-8 reply)."""
+    name = where
+    for key in path:
+        if isinstance(key, int):
+            name += f"[{key}]"
+        else:
+            shown = key.encode("utf-8", "backslashreplace").decode()
+            name = f"{name}.{shown}" if name else shown
+    return name or "body"
 
 
 def _text(value: str) -> str:

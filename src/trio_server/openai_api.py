@@ -53,6 +53,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -272,11 +273,17 @@ def _unix(iso: str) -> int:
 
 
 async def _body(request: Request, model: type[w.Common]) -> Any:
+    raw = await request.body() or b"null"
     try:
-        data = json.loads(await request.body() or b"null")
+        data = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
         raise w.bad_param(None, f"malformed JSON: {exc}") from None
-    return w.parse(model, data)
+    # a lone surrogate comes only from a \uD800-\uDFFF escape (UTF-8 cannot carry one):
+    # without one in the text, no walk over the value (1.5 s for 8 million numbers)
+    return w.parse(model, data, text_checked=_SURROGATE_ESCAPE.search(raw) is None)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\ud[89a-f]", re.IGNORECASE)  # \uD800-\uDFFF escaped in a JSON text
 
 
 class _OpenAIRoute(APIRoute):

@@ -158,11 +158,12 @@ VLLM_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def parse(model: type[Common], data: Any) -> Any:
-    """A validated body; a bad field is a 400 naming it (``messages[0].content``)."""
+def parse(model: type[Common], data: Any, text_checked: bool = False) -> Any:
+    """A validated body; a bad field is a 400 naming it (``messages[0].content``).
+    ``text_checked``: the caller knows no string in it holds a lone surrogate."""
     if not isinstance(data, dict):
         raise bad_param(None, "the request body must be a JSON object")
-    if (where := lone_surrogate_at(data)) is not None:
+    if not text_checked and (where := lone_surrogate_at(data)) is not None:
         raise bad_param(where, f"{where}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
     try:
         body = model.model_validate(data)
