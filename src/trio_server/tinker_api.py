@@ -75,7 +75,7 @@ MIN_BYTES_PER_TOKEN = 8  # the SDK's estimate of a datum: 4 bytes a token, + at 
 KEY_PREFIX = "tml-"
 PROTO = "application/x-protobuf"
 LOCAL_PREFIX = "tinker-"  # request ids of futures this module holds, not the core
-LOCAL_FUTURES_KEPT = 10_000  # done futures held here at most, besides the 600 s (TinkerDoor._forget_old)
+LOCAL_FUTURES_PER_USER = 1_000  # done futures held here per user at most, besides the 600 s (TinkerDoor._forget_old)
 CATEGORY = {"validation": "user", "not_found": "user", "capacity": "user", "authentication": "user",
             "server": "server"}
 
@@ -252,20 +252,17 @@ class TinkerDoor:
 
     @staticmethod
     async def _raise(exc: ServiceError) -> Reply:
-        # kept for retrieval: not with the frames it was raised through (the route's, holding
-        # the request's body: 38 MiB a refused call with a 20 MB field), nor what it replaced
-        exc.__context__ = exc.__cause__ = None
-        raise exc.with_traceback(None)
+        raise exc
 
     def local_future(self, user_id: str, work: Awaitable[Reply], key: str | None = None) -> str:
         if key and (user_id, key) in self.local_by_key:  # a resend: the first one's future
             if asyncio.iscoroutine(work):
                 work.close()
             return self.local_by_key[(user_id, key)]
-        self._forget_old()
+        self._forget_old(user_id)
         request_id = LOCAL_PREFIX + secrets.token_hex(8)
         task = asyncio.ensure_future(work)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved later or never
+        task.add_done_callback(_keep_the_error_alone)
         self.local[request_id] = LocalFuture(user_id, task)
         if key:
             self.local_by_key[(user_id, key)] = request_id
@@ -281,14 +278,17 @@ class TinkerDoor:
         log.error("tinker future %s failed", request_id, exc_info=error)
         return Reply.failed("server", f"internal error: {error}")
 
-    def _forget_old(self, keep_seconds: float = 600.0) -> None:
-        """Drop the done futures older than ``keep_seconds``, and the oldest done ones past
-        ``LOCAL_FUTURES_KEPT`` (refused calls come as fast as a client sends them)."""
-        cutoff, excess = time.monotonic() - keep_seconds, len(self.local) - LOCAL_FUTURES_KEPT
+    def _forget_old(self, user_id: str, keep_seconds: float = 600.0) -> None:
+        """Drop the done futures older than ``keep_seconds``, and ``user_id``'s oldest done
+        ones past ``LOCAL_FUTURES_PER_USER`` (refused calls come as fast as a client sends
+        them; one user's flood must not push out another's answers)."""
+        cutoff = time.monotonic() - keep_seconds
+        excess = sum(fut.user_id == user_id for fut in self.local.values()) - LOCAL_FUTURES_PER_USER
         for rid, fut in list(self.local.items()):  # oldest first
-            if fut.task.done() and (fut.created < cutoff or excess > 0):
+            mine = fut.user_id == user_id and excess > 0
+            if fut.task.done() and (fut.created < cutoff or mine):
                 del self.local[rid]
-                excess -= 1
+                excess -= mine
         for key, rid in list(self.local_by_key.items()):
             if rid not in self.local:
                 del self.local_by_key[key]
@@ -391,7 +391,7 @@ def _tinker_run(core: ServiceCore, door: TinkerDoor, user_id: str, run: Any) -> 
         "lora_rank": run.lora_rank, "last_request_time": run.last_request_at or run.created_at,
         "last_checkpoint": training[-1] if training else None,
         "last_sampler_checkpoint": sampler[-1] if sampler else None,
-        "user_metadata": {str(k): str(v) for k, v in meta.items()} if meta else None,
+        "user_metadata": {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) and meta else None,
     }
 
 
@@ -465,9 +465,19 @@ class _AnsweredRoute(APIRoute):
         return answered
 
 
+def _keep_the_error_alone(task: asyncio.Future[Reply]) -> None:
+    """A local future's error is kept for polls without the frames it was raised through:
+    the route's, holding the request (38 MiB a refused call with a 20 MB field)."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        error.__traceback__ = error.__context__ = error.__cause__ = None
+
+
 def _user_metadata(body: dict) -> Any:
-    """A create's ``user_metadata``, kept to list with the run: refused if it is not text."""
+    """A create's ``user_metadata``, kept to list with the run: refused unless an object of
+    text (a list, kept, broke every later listing of the user's runs)."""
     metadata = body.get("user_metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ServiceError("validation", f"user_metadata: must be an object of strings, got {type(metadata).__name__}")
     if (where := t.lone_surrogate_at(metadata, "user_metadata")) is not None:
         raise ServiceError("validation", f"{where}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
     return metadata

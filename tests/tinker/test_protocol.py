@@ -263,33 +263,34 @@ def test_refusals_are_failed_futures_not_retryable_statuses(alice):
     assert unknown.status_code == 200 and "not found" in alice.result(unknown.json()["request_id"]).json()["error"]
 
 
-def test_a_refused_call_keeps_its_message_not_its_request(alice, monkeypatch):
+def test_a_refused_call_keeps_its_message_not_its_request(alice, bob, monkeypatch):
     """A refusal's future kept the exception with the frames it was raised through, the
     route's, holding the request's body (38 MiB a call with a 20 MB field, for 10 minutes,
-    and as many as a client sent). It keeps the message, and at most LOCAL_FUTURES_KEPT
-    done futures are held."""
+    and as many as a client sent). It keeps the message, and at most LOCAL_FUTURES_PER_USER
+    done futures of a user are held (another user's are not pushed out)."""
     import gc
 
     from trio_server import tinker_api
 
     [door] = [o for o in gc.get_objects() if isinstance(o, tinker_api.TinkerDoor) and o.core is alice.core]
-    monkeypatch.setattr(tinker_api, "LOCAL_FUTURES_KEPT", 3)
-    for k in range(6):  # unknown sampling sessions, one with a large field the server ignores
-        reply = alice.post("asample", {"sampling_session_id": f"sess-000000000000:sample:{k}", "seq_id": 0,
-                                       "num_samples": 1, "prompt": {"chunks": [{"tokens": TOKENS}]},
-                                       "sampling_params": {}, "junk": "x" * 1_000_000})
-        refused = alice.result(reply.json()["request_id"]).json()
+    monkeypatch.setattr(tinker_api, "LOCAL_FUTURES_PER_USER", 3)
+
+    def refused_sample(client, k: int) -> str:  # an unknown sampling session, with a large field ignored
+        reply = client.post("asample", {"sampling_session_id": f"sess-000000000000:sample:{k}", "seq_id": 0,
+                                        "num_samples": 1, "prompt": {"chunks": [{"tokens": TOKENS}]},
+                                        "sampling_params": {}, "junk": "x" * 1_000_000})
+        refused = client.result(reply.json()["request_id"]).json()
         assert refused["category"] == "user" and "not found" in refused["error"]
-    assert len(door.local) <= 4  # 3 done, and the newest
+        return reply.json()["request_id"]
+
+    bobs = refused_sample(bob, 99)
+    for k in range(6):
+        refused_sample(alice, k)
+    assert sum(f.user_id != door.local[bobs].user_id for f in door.local.values()) <= 4  # 3 done, the newest
+    assert "not found" in bob.result(bobs).json()["error"]  # not pushed out by Alice's
     for future in door.local.values():
         error = future.task.exception()
-        assert error.__context__ is None and error.__cause__ is None
-        frames = []
-        tb = error.__traceback__
-        while tb is not None:
-            frames.append(tb.tb_frame.f_code.co_name)
-            tb = tb.tb_next
-        assert frames == ["_raise"], frames  # no route frame (and its body) held
+        assert error.__traceback__ is None and error.__context__ is None and error.__cause__ is None
 
 
 def test_a_refused_call_keeps_its_place_in_its_run(alice):
@@ -464,13 +465,17 @@ def test_routes_not_served_are_named_as_such(alice):
 
 
 def test_a_create_whose_user_metadata_is_not_text_is_refused_and_the_run_list_keeps_working(alice):
-    """A lone surrogate ("\\ud800" in JSON) kept with a run broke the user's listing of runs."""
+    """A lone surrogate ("\\ud800" in JSON), or a list, kept with a run broke the user's
+    listing of runs."""
     session = alice.post("create_session", {"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
     body = json.dumps({"session_id": session, "model_seq_id": 0, "base_model": TINY, "lora_config": {"rank": 4},
                        "type": "create_model", "user_metadata": {"note": "a\ud800"}})  # sent as "a\\ud800"
     reply = httpx.post(alice.url + "create_model", content=body, timeout=60,
                        headers={"X-API-Key": alice.key, "Content-Type": "application/json"})
     assert reply.status_code == 400 and "user_metadata.note: holds a lone UTF-16 surrogate" in reply.text, reply.text
+    listed = alice.post("create_model", {"session_id": session, "model_seq_id": 1, "base_model": TINY,
+                                         "lora_config": {"rank": 4}, "type": "create_model", "user_metadata": ["x"]})
+    assert listed.status_code == 400 and "user_metadata: must be an object of strings, got list" in listed.text
     assert alice.get("training_runs").status_code == 200
 
 
