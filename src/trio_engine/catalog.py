@@ -14,6 +14,7 @@ Three kinds of source, all ending in a Hugging Face causal LM + tokenizer:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -50,6 +51,7 @@ class ModelSource:
     filename: str = ""  # packaged_gguf: file inside the package
     path: str = ""  # folder: the folder
     config: dict[str, Any] = field(default_factory=dict)  # tiny: config overrides
+    local_only: bool = False  # hub: load from the local cache alone (Catalog(downloads=False))
 
     def is_available(self) -> bool:
         if self.kind == "packaged_gguf":
@@ -115,7 +117,9 @@ class Catalog:
         source = self.sources.get(name) or ModelSource(name=name, kind="hub")
         if source.kind == "hub":
             _check_hub_name(name)
-        if source.kind == "hub" and not self.downloads and not _hub_cached(name):
+        if source.kind == "hub" and not self.downloads:
+            source = dataclasses.replace(source, local_only=True)  # its config cached, not all its weights maybe
+        if source.local_only and not _hub_cached(name):
             raise ModelNotAvailableError(
                 f"base_model {name!r} is not available: this server serves the models it has and fetches no "
                 f"other (its operator can add one to the Hugging Face cache, or start it with --allow-downloads). "
@@ -204,8 +208,8 @@ def load_model_and_tokenizer(
         folder: str | Path = source.name if source.kind == "hub" else source.path
         if source.kind == "packaged_gguf":
             folder = converted_gguf_folder(source)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=source.local_only)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=source.local_only)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -229,7 +233,8 @@ def load_tokenizer(source: ModelSource) -> Any:
         return _tiny_tokenizer(source.config["tokenizer"])
     if source.kind == "packaged_gguf":
         return AutoTokenizer.from_pretrained(converted_gguf_folder(source))
-    return AutoTokenizer.from_pretrained(source.name if source.kind == "hub" else source.path)
+    return AutoTokenizer.from_pretrained(source.name if source.kind == "hub" else source.path,
+                                         local_files_only=source.local_only)
 
 
 def save_portable_tokenizer(tokenizer: Any, folder: Path) -> None:

@@ -32,6 +32,22 @@ def test_with_downloads_off_a_hub_model_not_cached_is_refused_without_asking_the
     assert DEFAULT_MODEL in str(err.value)
     assert Catalog(downloads=False).resolve("trio/tiny-llama").kind == "tiny"  # what is here is served
 
+    # a model whose config is cached (its weights maybe not) loads from the cache alone
+    import transformers
+
+    monkeypatch.setattr(catalog, "_hub_cached", lambda name: True)
+    asked = {}
+
+    def from_pretrained(*args, **kwargs):
+        asked.update(kwargs)
+        raise OSError("not in the cache")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    assert not Catalog().resolve("org/cached").local_only
+    with pytest.raises(OSError):
+        catalog.load_model_and_tokenizer(Catalog(downloads=False).resolve("org/cached"), torch.float32)
+    assert asked["local_files_only"] is True
+
 
 def test_local_folder_model(tmp_path, qwen_host):
     from trio_engine import ModelHost
