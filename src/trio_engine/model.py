@@ -162,8 +162,11 @@ def text_config(hf_config: Any) -> Any:
     return get() if callable(get) else hf_config
 
 
-# Layer types (transformers' ``layer_types``, ``layers_block_type``) that mix tokens by attention alone
-ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention"})
+# Layer types (transformers' ``layer_types``, ``layers_block_type``) that carry no state along the
+# sequence: attention of any pattern (the families of chunked or indexed attention are refused
+# at load), and blocks that mix no tokens (Nemotron-H names its MLP and MoE blocks)
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention", "chunked_attention",
+                              "indexed_attention", "mlp", "moe"})
 
 
 def state_layers(model: nn.Module) -> list[str]:

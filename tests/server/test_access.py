@@ -328,7 +328,7 @@ def test_run_and_checkpoint_quotas_refuse_before_any_change(quota_server):
 def test_saves_pipelined_past_the_checkpoint_quota_are_refused_when_they_run(quota_server):
     """Saves submitted back to back all passed the check at submit (the queued ones are not
     counted yet): 8 of 15 were kept, 3.3 times the quota. Each is checked again when it
-    runs, so the quota is passed by one checkpoint at most, as documented."""
+    runs, so the quota is passed by one checkpoint (of each base model) at most, as documented."""
     import pytrio as trio
 
     tc = quota_client(quota_server).create_lora_training_client(base_model="trio/tiny-llama", rank=2)
