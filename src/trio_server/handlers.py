@@ -187,8 +187,9 @@ def finish_split(ctx: Context, split: Split, error: ServiceError | None) -> Resu
         held, release_error = _guard(ctx.engine.release_grads, item.request_id, item.request.model_id, error is not None)
         if held is False and error is None:  # the earlier parts' gradients went with the host
             error = ServiceError("server", "the model host restarted while this request ran in parts; the "
-                                 "gradients of its earlier parts were lost and the run's were dropped: submit "
-                                 "it again (and the forward_backward calls since the run's last step)", 500)
+                                 "gradients of its earlier parts were lost and the run's were dropped: the run's "
+                                 "next optim_step is refused, then run the forward_backward calls since its last "
+                                 "step again, this one with them", 500)
         if release_error and error is None:
             error = release_error
         elif release_error:

@@ -48,6 +48,7 @@ from .errors import ServiceError
 
 log = logging.getLogger("trio.server")
 
+# (a training run's next optim_step is then refused for the gradients the restart lost, naming them)
 HOST_RESTART_MESSAGE = "the model host restarted while this request was in flight; submit it again"
 # Calls that change nothing on the host: safe to run again on a restarted actor.
 RETRY_SAFE = {"load", "tokenizer_files", "forward", "adapter_info", "prepare_sampler", "sample",
