@@ -71,14 +71,13 @@ def install(model: Any) -> None:
     model.set_attn_implementation(NAME)
 
 
-def pack_limit(model: Any) -> float:
+def pack_limit(model: Any, window: int | None) -> float:
     """The longest sequences that can run packed through ``model``'s attention: any when it
-    attends through ``attend`` without a sliding window, up to the window with one (within
-    it, a sliding layer is a plain causal one), none when it attends otherwise. Whether
-    anything else mixes tokens is the caller's to ask (``model.state_layers``)."""
+    attends through ``attend`` without a sliding ``window``, up to the window with one
+    (within it, a sliding layer is a plain causal one), none when it attends otherwise.
+    Whether anything else mixes tokens is the caller's to ask (``model.state_layers``)."""
     if model.config._attn_implementation != NAME:
         return 0
-    window = getattr(model.config.get_text_config(), "sliding_window", None)  # a multimodal model's is its text's
     return math.inf if window is None else window
 
 

@@ -46,6 +46,7 @@ from .model import (
     family_of,
     select_targets,
     state_layers,
+    text_config,
     text_forward_filter,
 )
 from .optim import AdamConfig, AdamState, adamw_step
@@ -163,7 +164,8 @@ class ModelHost:
         # Mamba, conv or linear-attention layers: their state would run from one packed
         # sequence into the next, and the sampler's cache does not keep it
         self.state_layers = state_layers(self.model)
-        self.pack_limit = 0 if self.state_layers else attention.pack_limit(self.model)
+        window = getattr(text_config(self.model.config), "sliding_window", None)  # a multimodal model's is its text's
+        self.pack_limit = 0 if self.state_layers else attention.pack_limit(self.model, window)
         self.max_batch_tokens = max_batch_tokens
         self.adapters: dict[str, Adapter] = {}
         self.lock = threading.RLock()  # one engine call at a time per host
