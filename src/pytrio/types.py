@@ -85,9 +85,12 @@ def _place(where: str, path: tuple) -> str:
     return name or "body"
 
 
+NOT_TEXT = "holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text"  # after where (lone_surrogate_at)
+
+
 def _text(value: str) -> str:
-    if lone_surrogate_at(value) is not None:
-        raise ValueError("holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
+    if not _is_text(value):
+        raise ValueError(NOT_TEXT)
     return value
 
 

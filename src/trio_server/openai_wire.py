@@ -20,7 +20,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from pytrio.types import Seed, lone_surrogate_at
+from pytrio.types import NOT_TEXT, Seed, lone_surrogate_at
 
 # -- errors ------------------------------------------------------------------------------
 
@@ -164,7 +164,7 @@ def parse(model: type[Common], data: Any, text_checked: bool = False) -> Any:
     if not isinstance(data, dict):
         raise bad_param(None, "the request body must be a JSON object")
     if not text_checked and (where := lone_surrogate_at(data)) is not None:
-        raise bad_param(where, f"{where}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
+        raise bad_param(where, f"{where}: {NOT_TEXT}")
     try:
         body = model.model_validate(data)
     except pydantic.ValidationError as exc:

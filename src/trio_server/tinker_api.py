@@ -479,7 +479,7 @@ def _user_metadata(body: dict) -> Any:
     if metadata is not None and not isinstance(metadata, dict):
         raise ServiceError("validation", f"user_metadata: must be an object of strings, got {type(metadata).__name__}")
     if (where := t.lone_surrogate_at(metadata, "user_metadata")) is not None:
-        raise ServiceError("validation", f"{where}: holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
+        raise ServiceError("validation", f"{where}: {t.NOT_TEXT}")
     return metadata
 
 
