@@ -116,23 +116,30 @@ class Catalog:
         """The source for ``name``; raises ModelNotAvailableError if it cannot load here."""
         source = self.sources.get(name) or ModelSource(name=name, kind="hub")
         if source.kind == "hub":
-            _check_hub_name(name)
-        if source.kind == "hub" and not self.downloads:
-            source = dataclasses.replace(source, local_only=True)  # its config cached, not all its weights maybe
-        if source.local_only and not _hub_cached(name):
-            raise ModelNotAvailableError(
-                f"base_model {name!r} is not available: this server serves the models it has and fetches no "
-                f"other (its operator can add one to the Hugging Face cache, or start it with --allow-downloads). "
-                f"Available models: {self.available()}"
-            )
-        if source.kind == "hub" and not _hub_cached(name) and not _hub_reachable():
-            raise ModelNotAvailableError(
-                f"base_model {name!r} is not available: it is not in the local Hugging Face "
-                f"cache and the hub cannot be reached. Available models: {self.available()}"
-            )
-        if not source.is_available() and source.kind != "hub":
+            return self._hub_source(source)
+        if not source.is_available():
             raise ModelNotAvailableError(
                 f"base_model {name!r} is not installed here. Available models: {self.available()}"
+            )
+        return source
+
+
+    def _hub_source(self, source: ModelSource) -> ModelSource:
+        """A hub model: from the local cache alone with downloads off (its config cached,
+        not all its weights maybe), else fetched when not cached and the hub answers."""
+        _check_hub_name(source.name)
+        if _hub_cached(source.name):
+            return source if self.downloads else dataclasses.replace(source, local_only=True)
+        if not self.downloads:
+            raise ModelNotAvailableError(
+                f"base_model {source.name!r} is not available: this server serves the models it has and fetches "
+                f"no other (its operator can add one to the Hugging Face cache, or start it with "
+                f"--allow-downloads). Available models: {self.available()}"
+            )
+        if not _hub_reachable():
+            raise ModelNotAvailableError(
+                f"base_model {source.name!r} is not available: it is not in the local Hugging Face "
+                f"cache and the hub cannot be reached. Available models: {self.available()}"
             )
         return source
 
