@@ -13,6 +13,9 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite's references are CPU tensors with CPU tolerances: its hosts run on the CPU even
+# where CUDA is present. The CUDA tests (``needs_cuda``) name their device themselves.
+os.environ.setdefault("TRIO_DEVICE", "cpu")
 
 if os.environ.get("TRIO_MUTATION_WARMUP"):
     # `make mutate` forks one pytest session per mutant from a warmed-up process: load the

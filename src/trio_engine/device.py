@@ -103,9 +103,8 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """The dtype a device computes in when nothing asks otherwise."""
-    if device.type == "cuda":
-        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-        return torch.bfloat16 if bf16 else torch.float32
+    if device.type == "cuda":  # native bf16 from compute capability 8.0, asked of this device, not the current one
+        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float32
     return torch.float32
 
 

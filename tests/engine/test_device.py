@@ -76,6 +76,15 @@ def test_auto_picks_cuda_only_when_available(no_env):
     assert resolve_device(None).type == expected  # None -> $TRIO_DEVICE (unset) -> auto
 
 
+def test_default_dtype_asks_the_hosts_own_gpu(monkeypatch):
+    """bf16 by default where the host's GPU computes it natively, whichever GPU is current."""
+    capability = {0: (9, 0), 1: (7, 5)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability[torch.device(d).index or 0])
+    assert device.default_dtype(torch.device("cuda:0")) == torch.bfloat16
+    assert device.default_dtype(torch.device("cuda:1")) == torch.float32
+    assert device.default_dtype(torch.device("cpu")) == torch.float32
+
+
 def test_auto_is_cpu_without_cuda(no_env):
     no_env.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu")
