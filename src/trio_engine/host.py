@@ -499,8 +499,8 @@ class ModelHost:
     def token_logprobs(
         self, hidden: torch.Tensor, targets: torch.Tensor, token_adapters: list[str | None]
     ) -> torch.Tensor:
-        """log p(target) for each row of hidden (N, H): ``unembed`` (lm_head and the
-        family's logit transform, in fp32) + log-softmax.
+        """log p(target) for each row of hidden (N, H): ``unembed`` (lm_head, then the
+        family's logit transform in fp32; see ``Head``) + log-softmax.
 
         Shared by trainer and ``compute_logprobs`` (the sampler calls ``unembed`` itself)
         so all compute logprobs with the same numerics. Rows go through in chunks of

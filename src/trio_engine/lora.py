@@ -515,8 +515,8 @@ def _groups_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
     (torch's own rule), and the output's rows too (its gradient's, in the backward): a
     rank-r adapter's products want r a multiple of 4 in fp32 and of 8 in bf16. Other ranks
     and dtypes take the loop."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
-        return False
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype or torch.__version__ < "2.9":
+        return False  # before 2.9 torch ran it on compute capability 9.0 alone, and not on the CPU
     if x.device.type == "cuda":
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
             return False

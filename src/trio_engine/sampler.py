@@ -51,7 +51,7 @@ class SamplingHost(Protocol):
     def trunk(self) -> Any: ...  # the decoder: input ids -> hidden states (B, T, H), KV cache
 
     @property
-    def unembed(self) -> Any: ...  # hidden (N, H) -> fp32 logits (N, V): LoRA lm_head + family transform
+    def unembed(self) -> Any: ...  # hidden (N, H) -> fp32 logits (N, V): LoRA lm_head + family transform (model.Head)
 
     @property
     def routing(self) -> lora.Routing: ...  # which rows use which adapter
