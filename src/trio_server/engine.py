@@ -129,8 +129,28 @@ class WeightsNotFoundError(FileNotFoundError):
     """A sampler's checkpoint folder is gone (deleted after the sampler was made)."""
 
 
+def device_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a CUDA error after which this process's device context is
+    unusable (a device-side assert, an illegal memory access, a GPU fallen off the bus):
+    every later call on the device fails the same way. Running out of memory is not one."""
+    text = f"{type(exc).__name__}: {exc}"
+    return ("CUDA error" in text or type(exc).__name__ == "AcceleratorError") and "out of memory" not in text
+
+
+def _report_device_lost(exc: BaseException) -> None:
+    log.critical("the GPU's context is lost (%s: %s): every later call on its model fails; restart the "
+                 "service (its runs come back from their snapshots)", type(exc).__name__, exc)
+
+
+# What this process does when its device context is lost (``device_lost``): in a Ray actor,
+# exit so that Ray starts a new one (``ray_engine.HostActor``); in-process, say so loudly.
+on_device_lost: Callable[[BaseException], None] = _report_device_lost
+
+
 def failure_from(exc: BaseException) -> Failure:
     """The one mapping from engine exceptions to what a client is told."""
+    if device_lost(exc):
+        on_device_lost(exc)
     if isinstance(exc, WeightsNotFoundError):
         return Failure("not_found", str(exc))
     if isinstance(exc, AdapterNotFoundError):

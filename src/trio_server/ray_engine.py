@@ -15,7 +15,9 @@ Crashes: the actor restarts on its own (``max_restarts=-1``) with an empty model
 each run comes back from its snapshot on its next request. A call that was running
 when the actor died fails with a clear restart error, unless it only reads state:
 those are retried on the restarted actor. A step whose snapshot the dead actor had not
-yet written fails the same way when its answer is due (``RayEngine.durable``).
+yet written fails the same way when its answer is due (``RayEngine.durable``). A CUDA
+error that leaves the GPU's context unusable (``engine.device_lost``) ends the actor's
+process, so it restarts the same way instead of failing every later call.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from trio_engine import AdamConfig, ForwardJob, ForwardResult, LoraConfig, SampleResult
 from trio_engine.device import KEEP_FREED_ENV
 
+from . import engine as local
 from .engine import (
     AdapterInfo,
     DecodeUpdate,
@@ -42,6 +45,7 @@ from .engine import (
     Failure,
     LocalEngine,
     SampleJob,
+    device_lost,
     written_before_it_died,
 )
 from .errors import ServiceError
@@ -61,6 +65,15 @@ class NotRun:
     """``HostActor.call``'s answer to a caller that has not yet heard of the actor's restart."""
 
 
+def _exit_to_restart(exc: BaseException) -> None:
+    """A lost device context fails every later call of this process: end it, and Ray starts
+    a new actor (``max_restarts``), whose runs come back from their snapshots. The call in
+    flight fails as any call a restart interrupts does."""
+    log.critical("the GPU's context is lost (%s: %s); exiting so that Ray restarts this host",
+                 type(exc).__name__, exc)
+    os._exit(1)
+
+
 class HostActor:
     """The Ray actor: one LocalEngine, with torch using the node's cores."""
 
@@ -68,6 +81,7 @@ class HostActor:
         import torch
 
         torch.set_num_threads(threads)
+        local.on_device_lost = _exit_to_restart
         self.engine = LocalEngine(base_model, settings, {"ray_node_id": ray.get_runtime_context().get_node_id()})
         self.incarnation = secrets.token_hex(8)  # a restart (a new process) makes another
 
@@ -77,7 +91,12 @@ class HostActor:
         (``NotRun``): the caller first learns what the restart lost (``RayEngine._call``)."""
         if seen not in (None, self.incarnation):
             return self.incarnation, NotRun()
-        return self.incarnation, getattr(self.engine, method)(*args)
+        try:
+            return self.incarnation, getattr(self.engine, method)(*args)
+        except Exception as exc:  # most reach failure_from in the engine; the rest pass here
+            if device_lost(exc):
+                _exit_to_restart(exc)
+            raise
 
     @ray.method(concurrency_group="durable")
     def durable(self, write: Durability) -> None:

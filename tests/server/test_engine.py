@@ -449,3 +449,56 @@ def test_a_failed_rewrite_after_a_restore_fails_the_call_and_keeps_the_run_as_on
     assert not isinstance(engine.forward_backward([job("run-h")])[0], Failure)  # the disk back: it goes on
     on_disk = snapshot.read(snapshot_path(engine.settings.snapshot_dir, "run-h"))
     assert not any(k.startswith("grad.") for k in on_disk.tensors)
+
+
+ILLEGAL_ACCESS = "CUDA error: an illegal memory access was encountered"
+
+
+def test_a_lost_gpu_context_is_acted_on_once_and_out_of_memory_is_not(engine, monkeypatch):
+    """After a device-side assert or an illegal access every later CUDA call fails: the process
+    must end (Ray restarts it) or say so, while running out of memory is an ordinary failure."""
+    from trio_server import engine as engine_module
+
+    lost: list[BaseException] = []
+    monkeypatch.setattr(engine_module, "on_device_lost", lost.append)
+    engine.create_adapter("run-a", LoraConfig(rank=2))
+
+    def broken(jobs):
+        raise RuntimeError(ILLEGAL_ACCESS)
+
+    monkeypatch.setattr(engine.host, "forward_backward", broken)
+    (out,) = engine.forward_backward([job("run-a")])
+    assert isinstance(out, Failure) and ILLEGAL_ACCESS in out.message
+    assert [str(e) for e in lost] == [ILLEGAL_ACCESS]
+
+    def out_of_memory(jobs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(engine.host, "forward_backward", out_of_memory)
+    (out,) = engine.forward_backward([job("run-a")])
+    assert isinstance(out, Failure) and len(lost) == 1
+
+
+def test_a_ray_host_whose_gpu_context_is_lost_ends_its_process(monkeypatch):
+    """The actor exits (so Ray starts a new one) whether the error reached failure_from inside
+    the engine or passed out of the engine's method; other errors travel as they are."""
+    from trio_server import ray_engine
+
+    exits: list[int] = []
+    monkeypatch.setattr(ray_engine.os, "_exit", exits.append)
+
+    class Broken:
+        def optim_step(self, *args):
+            raise RuntimeError(ILLEGAL_ACCESS)
+
+        def adapter_info(self, *args):
+            raise KeyError("run-x")
+
+    actor = object.__new__(ray_engine.HostActor)
+    actor.engine, actor.incarnation = Broken(), "i1"
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        actor.call("i1", "optim_step", "run-a", AdamConfig())
+    assert exits == [1]
+    with pytest.raises(KeyError):
+        actor.call("i1", "adapter_info", "run-x")
+    assert exits == [1]
