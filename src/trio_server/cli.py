@@ -166,7 +166,7 @@ def serve(args: argparse.Namespace) -> None:
         core = ServiceCore(
             _data_dir(args.data_dir), db_url=args.db, dtype=args.dtype, limits=limits_from(args),
             engine=args.engine, ray_address=args.ray_address, device=args.device,
-            ray_placement=dict(args.ray_place or []), catalog=Catalog(downloads=args.allow_downloads),
+            ray_placement=dict(args.ray_place or []), ray_gpus_per_model=args.ray_gpus_per_model, catalog=Catalog(downloads=args.allow_downloads),
         )
     except (DataDirInUse, ValueError) as exc:  # another server on the data dir; no such device
         sys.exit(f"trio serve: {exc}")
@@ -339,6 +339,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray-place", metavar="MODEL=RESOURCE", type=placement, action="append",
                    help="with --engine ray: run MODEL's host on nodes offering the custom Ray resource "
                         "RESOURCE (ray start --resources); repeatable")
+    p.add_argument("--ray-gpus-per-model", metavar="SHARE", type=float, default=1.0,
+                   help="with --engine ray on a cluster with GPUs: the share of a GPU each base model's "
+                        "host asks for (0.25: four small models on one GPU; default 1)")
     p.add_argument("--seq-gap-seconds", type=float, default=None,
                    help="how long a run's later requests wait for a sequence number that never "
                         "arrived before continuing without it (default 30)")

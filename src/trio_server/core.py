@@ -166,6 +166,7 @@ class ServiceCore:
         device: str | None = None,
         ray_address: str | None = None,
         ray_placement: dict[str, str] | None = None,
+        ray_gpus_per_model: float = 1.0,
         share_data_dir: bool = False,
     ):
         """Args:
@@ -177,6 +178,8 @@ class ServiceCore:
                 (a Ray actor per base model; see ``ray_engine.py``).
             ray_address: join this Ray cluster (None: start a local Ray instance).
             ray_placement: base model -> a Ray custom resource its actor needs.
+            ray_gpus_per_model: the share of a GPU each model's actor asks Ray for, on a
+                cluster with GPUs: 0.25 puts four small models on one GPU.
             share_data_dir: if other services use the data dir, work beside them without
                 the start-up recovery (which would fail their requests and delete their
                 sampler weights) instead of raising ``DataDirInUse`` (see
@@ -197,6 +200,11 @@ class ServiceCore:
         self.engine_kind = engine
         self.ray_address = ray_address
         self.ray_placement = ray_placement or {}
+        if not (0 < ray_gpus_per_model <= 1 or (ray_gpus_per_model > 1 and float(ray_gpus_per_model).is_integer())):
+            raise ValueError(f"ray_gpus_per_model: a fraction of one GPU or a whole number of GPUs, "
+                             f"got {ray_gpus_per_model!r}")
+        self.ray_gpus_per_model = ray_gpus_per_model
+        self.gpu_shares: dict[str, float] = {}  # base model -> the share of a GPU its Ray actor holds
         if engine not in ("local", "ray"):
             raise ValueError(f"engine: must be 'local' or 'ray', got {engine!r}")
         if engine == "local":  # a device this machine lacks fails now, not at the first request
@@ -625,10 +633,16 @@ class ServiceCore:
 
     def _new_engine(self, base_model: str) -> Engine:
         if self.engine_kind == "ray":
-            from .ray_engine import RayEngine
+            from .ray_engine import RayEngine, check_gpu_room, wants_gpu
 
-            return RayEngine(base_model, self.engine_settings, address=self.ray_address,
-                             resource=self.ray_placement.get(base_model))
+            gpu = wants_gpu(self.engine_settings.device)
+            if gpu:
+                check_gpu_room(base_model, self.ray_gpus_per_model, self.gpu_shares)
+            engine = RayEngine(base_model, self.engine_settings, address=self.ray_address,
+                               resource=self.ray_placement.get(base_model), gpus=self.ray_gpus_per_model)
+            if gpu:
+                self.gpu_shares[base_model] = self.ray_gpus_per_model
+            return engine
         return LocalEngine(base_model, self.engine_settings)
 
     def resolve(self, item: WorkItem, result: pydantic.BaseModel | None, error: ServiceError | None) -> None:

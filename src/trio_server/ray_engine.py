@@ -8,8 +8,11 @@ goes through JSON. Checkpoints and snapshots are written by the actor itself, to
 data dir, which every node must see at the same path (one machine, or shared storage).
 
 Placement: on a cluster with GPUs (or with ``device`` cuda) each actor asks Ray for
-one GPU, and Ray's ``CUDA_VISIBLE_DEVICES`` makes it the actor's ``cuda``. A base
-model can be pinned to nodes that offer a custom resource (``ray start --resources``).
+``gpus`` of a GPU (one by default; a fraction lets small models share one), and Ray's
+``CUDA_VISIBLE_DEVICES`` makes it the actor's ``cuda``. A model the cluster has no GPU
+room left for is refused by name (``check_gpu_room``): its actor would wait for one
+forever. A base model can be pinned to nodes that offer a custom resource
+(``ray start --resources``).
 
 Crashes: the actor restarts on its own (``max_restarts=-1``) with an empty model, and
 each run comes back from its snapshot on its next request. A call that was running
@@ -127,6 +130,21 @@ def check_cluster(device: str | None, placement: dict[str, str]) -> None:
                              f"that {model!r} is pinned to (ray start --resources)")
 
 
+def check_gpu_room(base_model: str, gpus: float, others: dict[str, float]) -> None:
+    """Refuse a model whose actor's share of a GPU the cluster has no room for beside
+    ``others`` (model -> its share): Ray would keep the actor pending, and its first call
+    would wait for good. (The shares are checked against the cluster's total: a share
+    split across nodes can still leave an actor pending.)"""
+    total = ray.cluster_resources().get("GPU", 0)
+    if sum(others.values()) + gpus <= total + 1e-9:
+        return
+    held = ", ".join(f"{model} {share:g}" for model, share in others.items()) or "none"
+    # 400, as for a model the server does not have: a 5xx would have clients retry for minutes
+    raise ServiceError("validation", f"base_model: {base_model!r} needs {gpus:g} of a GPU, and this Ray cluster's "
+                       f"{total:g} GPUs are taken (by {held}); serve fewer models, add GPUs or lower "
+                       "--ray-gpus-per-model", 400)
+
+
 def _result(ref: Any, timeout: float | None = None) -> Any:
     """``ray.get``, re-raising the engine's own exception when it raised one."""
     try:
@@ -148,20 +166,22 @@ class RayEngine:
 
     Args:
         base_model: the model its actor hosts.
-        settings: as for LocalEngine; ``device`` cuda:N becomes the actor's one GPU.
+        settings: as for LocalEngine; ``device`` cuda:N becomes the actor's GPU (which one
+            is Ray's choice).
         address: a Ray cluster to join (None: start a local instance).
         resource: a custom Ray resource the actor needs (pins the model to nodes offering it).
+        gpus: the share of a GPU the actor asks for when it runs on one.
     """
 
     def __init__(self, base_model: str, settings: EngineSettings, address: str | None = None,
-                 resource: str | None = None):
+                 resource: str | None = None, gpus: float = 1.0):
         connect(address)
         self.snapshot_dir = settings.snapshot_dir  # shared with the actor's node
         gpu = wants_gpu(settings.device)
         if gpu and settings.device and settings.device.startswith("cuda:"):
             settings = dataclasses.replace(settings, device="cuda")  # Ray shows the actor only its own GPU
         options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": 0,
-                                   "num_gpus": 1 if gpu else 0}
+                                   "num_gpus": gpus if gpu else 0}
         if resource:
             options["resources"] = {resource: 0.001}
         # Ray starts workers with OMP_NUM_THREADS=1; raising torch's thread count afterwards

@@ -85,8 +85,10 @@ def ray_cluster():
               "--disable-usage-stats"]
     address = f"127.0.0.1:{port}"
     try:
+        # one GPU declared (the actors still compute on the CPU): models that ask for GPUs
+        # are placed by their share of it (test_models_past_the_clusters_gpus_are_refused_by_name)
         ray_cli("start", "--head", f"--port={port}", f"--temp-dir={temp_dir}", "--include-dashboard=false",
-                *common, env=env)
+                "--num-gpus=1", *common, env=env)
         ray_cli("start", f"--address={address}", f'--resources={{"{NODE_B}": 1}}', *common, env=env)
         ray.init(address=address, namespace="trio", _node_ip_address="127.0.0.1")
         node_b = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and NODE_B in n["Resources"])
@@ -252,3 +254,39 @@ def test_a_snapshot_wait_does_not_hold_up_the_actors_calls(cores):
     _, asked = engine.optim_step(tc.model_id, AdamConfig(learning_rate=1e-2))
     assert asked.write == next_write.write
     ray.get(waiting, timeout=120)
+
+
+def test_models_past_the_clusters_gpus_are_refused_by_name(ray_cluster, tmp_path):
+    """An actor asking for a GPU share the cluster has no room for would stay pending, and
+    its model's first call wait for good: the model is refused, naming what holds the GPUs."""
+    address, _ = ray_cluster
+    core = ServiceCore(tmp_path, dtype="float32", engine="ray", ray_address=address, device="auto")
+    try:
+        svc = client(core)
+        svc.create_lora_training_client(base_model=MODEL, rank=2).forward([datum()]).result()
+        with pytest.raises(trio.ValidationError, match=r"'trio/tiny-qwen3' needs 1 of a GPU, and this Ray cluster's "
+                                                   r"1 GPUs are taken \(by trio/tiny-llama 1\).*--ray-gpus-per-model"):
+            svc.create_lora_training_client(base_model="trio/tiny-qwen3", rank=2)
+    finally:
+        core.close()
+
+
+def test_gpu_shares_fit_while_they_add_up_to_the_clusters_gpus(monkeypatch):
+    import ray
+
+    from trio_server.errors import ServiceError
+    from trio_server.ray_engine import check_gpu_room
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0, "GPU": 2.0})
+    check_gpu_room("c", 0.5, {"a": 1.0, "b": 0.5})  # 2 of 2
+    with pytest.raises(ServiceError, match=r"'d' needs 0.25 of a GPU.*2 GPUs are taken \(by a 1, b 0.5, c 0.5\)"):
+        check_gpu_room("d", 0.25, {"a": 1.0, "b": 0.5, "c": 0.5})
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0})
+    with pytest.raises(ServiceError, match=r"0 GPUs are taken \(by none\)"):
+        check_gpu_room("a", 1.0, {})
+
+
+@pytest.mark.parametrize("share", [0, -1, 1.5, float("nan")])
+def test_a_gpu_share_that_is_neither_a_fraction_nor_whole_gpus_is_refused(share, tmp_path):
+    with pytest.raises(ValueError, match=r"ray_gpus_per_model: a fraction of one GPU or a whole number"):
+        ServiceCore(tmp_path, ray_gpus_per_model=share)
