@@ -9,6 +9,7 @@ a submit retried through a restart) can let a later call run before an earlier o
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -141,7 +142,9 @@ class TrainingClient:
         try:
             out = await self._ordered("forward", forward, t.ForwardBackwardOutput, forward_ticket)
             weighted, loss, metrics = await asyncio.to_thread(self._gradients, data, loss_fn, out)
-            backward = validated(t.ForwardRequest, model_id=self.model_id, seq=0, data=weighted, loss_fn="cross_entropy")
+            recorded = {name: v for name, v in {"loss:sum": loss, **metrics}.items() if math.isfinite(v)}
+            backward = validated(t.ForwardRequest, model_id=self.model_id, seq=0, data=weighted, loss_fn="cross_entropy",
+                                 custom_metrics=recorded)
             request_id = await self._send("forward_backward", backward, backward_ticket)
         finally:
             backward_ticket.release()  # a failed forward or loss frees its place at once

@@ -630,6 +630,10 @@ class ForwardRequest(_RunRequest):
     data: list[Datum]
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, Annotated[float, AllowInfNan(False)]] | None = None
+    # forward_backward_custom's backward (a cross_entropy pass weighted by -dloss/dlogprobs):
+    # the user's loss ("loss:sum") and loss_fn's metrics, which the run's step metrics
+    # record in place of the pass's own (trio_server.metrics)
+    custom_metrics: dict[str, Annotated[float, AllowInfNan(False)]] | None = None
 
     @field_validator("data")
     @classmethod

@@ -215,7 +215,7 @@ def _add_to_step(ctx: Context, item: WorkItem, out: ForwardResult) -> None:
     req: t.ForwardRequest = item.request
     totals = ctx.steps.setdefault(req.model_id, StepTotals())
     if totals is not None:
-        totals.add(req.data, out.metrics)
+        totals.add(req.data, out.metrics, req.custom_metrics)
 
 
 def _record(item: WorkItem, fn: Callable[..., None], *args: Any) -> bool:

@@ -109,6 +109,49 @@ def test_the_loss_functions_mean_metrics_average_over_the_steps_weighted_tokens(
     assert got["tokens"] == 5 + 4
 
 
+def test_a_mean_metric_averages_over_the_calls_that_report_it(svc):
+    """A cross_entropy call beside an importance_sampling one reports no ratio: its tokens
+    must not count as ratios of zero (they halved ratio:mean here)."""
+    service, _ = svc
+    tc = service.create_lora_training_client(base_model=MODEL, rank=2, seed=4)
+    (lp,) = logprobs(tc.forward([A]).result())
+    on_policy = trio.Datum(model_input=A.model_input,
+                           loss_fn_inputs={**A.loss_fn_inputs, "logprobs": lp.tolist(), "advantages": [1.0] * 5})
+    tc.forward_backward([on_policy], "importance_sampling")
+    tc.forward_backward([A, C])
+    tc.optim_step().result()
+    ((step, got),) = [(s.step, s.metrics) for s in service.create_rest_client().get_run_metrics(tc.model_id)]
+    assert got["ratio:mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_custom_loss_records_the_users_loss_and_metrics_not_its_surrogates(svc):
+    """forward_backward_custom trains through a cross_entropy pass weighted by -dloss/dlogprobs;
+    the step records the loss the user's loss_fn returned (alone: as ``loss`` too) and its
+    metrics, not that pass's loss over weights that sum to about nothing."""
+    service, _ = svc
+    tc = service.create_lora_training_client(base_model=MODEL, rank=2, seed=5)
+    signs = (1.0, -1.0, 0.02)
+
+    def loss_fn(data, lps):
+        loss = sum(-a * lp.mean() for a, lp in zip(signs, lps))
+        return loss, {"kl": 0.25, "nan_metric": float("nan")}
+
+    first = tc.forward_backward_custom([A, B, C], loss_fn).result()
+    second = tc.forward_backward_custom([A, B, C], loss_fn).result()
+    tc.optim_step().result()
+    ((step, got),) = [(s.step, s.metrics) for s in service.create_rest_client().get_run_metrics(tc.model_id)]
+    custom = first.metrics["loss:sum"] + second.metrics["loss:sum"]
+    assert got == pytest.approx({"loss": custom, "custom_loss": custom, "kl": 0.25, "tokens": 2 * (5 + 3 + 4),
+                                 "grad_norm": got["grad_norm"], "learning_rate": got["learning_rate"]}, rel=1e-6)
+    # beside a built-in call, ``loss`` is the built-in calls' per weighted token
+    out = tc.forward_backward([A]).result()
+    tc.forward_backward_custom([A, B, C], loss_fn).result()
+    tc.optim_step().result()
+    got = service.create_rest_client().get_run_metrics(tc.model_id)[-1].metrics
+    assert got["loss"] == pytest.approx(float(-(weights(A) * logprobs(out)[0]).sum()) / 5, rel=1e-5)
+    assert got["custom_loss"] != got["loss"] and got["tokens"] == 5 + 5 + 3 + 4
+
+
 def test_log_metrics_merges_client_metrics_into_the_steps(svc):
     service, _ = svc
     tc = service.create_lora_training_client(base_model=MODEL, rank=2, seed=3)
