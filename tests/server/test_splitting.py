@@ -102,7 +102,7 @@ def test_a_split_request_gives_the_unsplit_result_metrics_and_grads(core):
             assert a[key].tolist() == pytest.approx(b[key].tolist(), abs=1e-5)
     steps = worker.ctx.steps
     assert steps[split_run.model_id].loss_sum == pytest.approx(steps[whole_run.model_id].loss_sum, rel=1e-5)
-    assert steps[split_run.model_id].active == steps[whole_run.model_id].active
+    assert steps[split_run.model_id].mean_tokens == steps[whole_run.model_id].mean_tokens
     g_whole, g_split = grads(core, whole_run.model_id), grads(core, split_run.model_id)
     for name, g in g_whole.items():
         if g is not None:
