@@ -143,6 +143,14 @@ def _to_keep(item: WorkItem, result: Result) -> bool:
     return result[1] is None and item.context.get("durable") is not None
 
 
+PASS_OPS = ("forward", "forward_backward")  # a failed pass changes nothing: it may run again
+
+
+def out_of_memory(error: ServiceError | None) -> bool:
+    """Whether a request failed for want of memory (``torch.OutOfMemoryError`` on a GPU)."""
+    return error is not None and ("OutOfMemoryError" in error.message or "out of memory" in error.message)
+
+
 class HostWorker:
     def __init__(self, ctx: Context, resolve: Callable[[WorkItem, Result], None], order: Sequencing,
                  idle_offload_seconds: float, max_batch_tokens: int | None = None,
@@ -303,6 +311,11 @@ class HostWorker:
 
     def _run_batch(self, batch: list[WorkItem]) -> None:
         results = self._execute(batch)
+        short = [k for k, (_, error) in enumerate(results) if out_of_memory(error)]
+        if short and batch[0].op in PASS_OPS and self._make_room(batch):
+            # once more, the requests that ran short alone: a failed pass left their runs' gradients as they were
+            for k, result in zip(short, self._execute([batch[k] for k in short])):
+                results[k] = result
         with self.cond:
             self.durations.record(batch[0].op, time.monotonic() - self.batch_started)
         for item in batch:
@@ -419,6 +432,27 @@ class HostWorker:
                         run_id, self.order.next_seq.get(run_id, 0), seq - 1, seq)
             with self.order.lock:
                 self.order.next_seq[run_id] = seq
+
+    def _make_room(self, batch: list[WorkItem]) -> bool:
+        """After a pass ran out of memory (a GPU holds far fewer runs than ``max_resident_runs``
+        allows on a CPU host): offload the least recently used half of the resident runs the
+        batch does not use, for one more try. False if there were none to offload."""
+        with self.cond:
+            keep = {item.run_id for item in batch} | {item.run_id for item in self.pending}
+        idle = [run_id for _, run_id in sorted((used, run_id) for run_id, used in self.last_used.items())
+                if run_id not in keep]
+        freed = 0
+        for run_id in idle[: -(-len(idle) // 2)]:
+            try:
+                self.engine.offload(run_id)
+            except Exception as exc:
+                log.warning("run %s not offloaded to make room: %s", run_id, exc)
+                continue
+            self.last_used.pop(run_id, None)
+            freed += 1
+        log.warning("%s ran out of memory; offloaded %d idle runs of %d resident and trying it once more",
+                    batch[0].op, freed, len(self.last_used) + freed)
+        return freed > 0
 
     def _offload_runs(self) -> None:
         """Send to disk the runs unused for ``idle_offload_seconds`` and, while more than

@@ -216,3 +216,46 @@ def test_an_outcome_the_store_cannot_take_is_still_delivered_and_the_worker_live
     monkeypatch.undo()
     assert core.workers[MODEL].thread.is_alive()
     assert tc.forward([datum()]).result(timeout=120).metrics["loss:sum"] > 0
+
+
+def test_a_pass_short_of_memory_runs_again_once_idle_runs_are_offloaded(tmp_path, monkeypatch):
+    """A GPU holds far fewer runs than the resident limit allows: a pass that runs out of
+    memory offloads the least recently used half of the idle runs and runs once more, with
+    the same result as without the failure; short again, the error stands."""
+    import torch
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    try:
+        svc = client(core)
+        old, recent, short = (svc.create_lora_training_client(base_model=MODEL, rank=2, seed=s) for s in (1, 2, 3))
+        for tc in (old, recent):
+            tc.forward_backward([datum()])
+            tc.optim_step().result()
+        engine = core.workers[MODEL].engine
+        host, offloaded, fails = engine.host, [], {"left": 1}
+        real_pass, real_offload = host.forward_backward, engine.offload
+
+        def short_of_memory_once(jobs):
+            if fails["left"]:
+                fails["left"] -= 1
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return real_pass(jobs)
+
+        def offload(run_id):
+            offloaded.append(run_id)
+            real_offload(run_id)
+
+        monkeypatch.setattr(host, "forward_backward", short_of_memory_once)
+        monkeypatch.setattr(engine, "offload", offload)
+        expected = short.forward([datum()]).result().loss_fn_outputs[0]["logprobs"].tolist()
+        out = short.forward_backward([datum()]).result()
+        assert out.loss_fn_outputs[0]["logprobs"].tolist() == expected
+        assert offloaded == [old.model_id]  # the older half of the two idle runs
+        assert short.optim_step().result().metrics["grad_norm"] > 0  # one pass's gradients, kept
+        # short of memory again after the room made: the error stands (one more try, not a loop)
+        fails["left"] = 2
+        with pytest.raises(trio.ServerError, match="OutOfMemoryError: CUDA out of memory"):
+            short.forward_backward([datum()]).result()
+        assert offloaded == [old.model_id, recent.model_id] and fails["left"] == 0
+    finally:
+        core.close()
