@@ -41,6 +41,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from .device import fetched
 from .errors import CheckpointWriteError, InvalidInputError
 from .lora import LoraConfig, LoRAExperts
 from .model import ALL_ATTN, ALL_MLP, UNEMBED
@@ -347,8 +348,9 @@ def _refuse_other_than_plain_lora(cfg: dict[str, Any]) -> None:
 
 
 def _detached(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU copies, whatever device the tensors live on."""
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+    """Contiguous CPU copies, whatever device the tensors live on (one transfer per storage),
+    each its own (safetensors refuses tensors that share memory)."""
+    return {k: v.clone(memory_format=torch.contiguous_format) for k, v in fetched(tensors).items()}
 
 
 # -- atomic folder writes ----------------------------------------------------------------

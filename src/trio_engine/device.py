@@ -108,6 +108,28 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def fetched(tensors: dict[str, torch.Tensor], copy_cpu: bool = False) -> dict[str, torch.Tensor]:
+    """CPU tensors equal to ``tensors``: those on another device copied one storage at a
+    time, so an adapter's weights or one of its moments (``packed``: one storage) cross in
+    one transfer instead of one per layer (hundreds, each a sync, on a GPU host). CPU
+    tensors are returned as they are unless ``copy_cpu`` (then copied the same way). The
+    results of one storage are views of one CPU buffer: clone them to own them apart."""
+    buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
+    out = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach()
+        if tensor.device.type == "cpu" and not copy_cpu:
+            out[name] = tensor
+            continue
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        if key not in buffers:
+            whole = torch.tensor([], dtype=torch.uint8, device=tensor.device).set_(storage)
+            buffers[key] = whole.to("cpu", copy=True)
+        out[name] = buffers[key].view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+    return out
+
+
 def packed(shapes: Sequence[torch.Size], device: torch.device | str,
            dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Zeroed tensors of ``shapes``, as views of one new buffer on ``device``.

@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from .checkpoint import fsync_path
+from .device import fetched
 from .lora import LoraConfig
 from .optim import AdamState
 
@@ -64,7 +65,9 @@ class Snapshot:
 
 
 def capture(host: Any, adapter_id: str, with_grads: bool = False) -> Snapshot:
-    """A CPU copy of an adapter's state, taken under the host's lock, laid out as its file."""
+    """A CPU copy of an adapter's state, taken under the host's lock, laid out as its file.
+    On a GPU host the lock is held for the transfer (one per packed storage) alone; the
+    copy into the file's layout is made after it."""
     with host.lock:
         adapter = host.adapters[adapter_id]
         params = host.adapter_params(adapter_id)
@@ -73,9 +76,12 @@ def capture(host: Any, adapter_id: str, with_grads: bool = False) -> Snapshot:
         }
         if with_grads:
             parts["grad"] = {k: p.grad for k, p in params.items() if p.grad is not None}
-        live = {f"{section}.{k}": v.detach() for section, values in parts.items() for k, v in values.items()}
-        return laid_out(Snapshot(adapter.config, adapter.optim.step, host.model_name, live,
-                                 step_metrics=dict(adapter.optim.step_metrics)))
+        state = fetched({f"{section}.{k}": v for section, values in parts.items() for k, v in values.items()})
+        snap = Snapshot(adapter.config, adapter.optim.step, host.model_name, state,
+                        step_metrics=dict(adapter.optim.step_metrics))
+        if host.device.type == "cpu":  # ``state`` is the live tensors: copied before the lock goes
+            return laid_out(snap)
+    return laid_out(snap)
 
 
 def laid_out(snap: Snapshot) -> Snapshot:

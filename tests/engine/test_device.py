@@ -367,3 +367,22 @@ def test_state_saved_on_cuda_loads_on_cpu(cuda_fp32_host, new_id, tmp_path):
     cuda_fp32_host.load_state(aid + "-back", str(tmp_path / "back"), with_optimizer=True)
     assert_on_device(cuda_fp32_host, aid + "-back")
     _train_step(cuda_fp32_host, aid + "-back", data)
+
+
+def test_fetched_copies_each_storage_once_and_keeps_every_view_of_it():
+    """A GPU host's packed adapter crosses to the CPU as one transfer: each storage is
+    copied once (tried here on CPU tensors, ``copy_cpu``) and every tensor comes back as
+    the same view of the copy, whatever its offset, stride and dtype."""
+    whole = torch.arange(24, dtype=torch.float32)
+    first, second = whole[:6].view(2, 3), whole[6:24].view(3, 6).t()  # a transposed view too
+    alone = torch.arange(5, dtype=torch.bfloat16)[1:]  # an offset into a bf16 storage
+    tensors = {"a": first, "b": second, "c": alone}
+    copies = device.fetched(tensors, copy_cpu=True)
+    for name, tensor in tensors.items():
+        assert copies[name].dtype == tensor.dtype and torch.equal(copies[name], tensor)
+        assert copies[name].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    assert copies["a"].untyped_storage().data_ptr() == copies["b"].untyped_storage().data_ptr()
+    whole.zero_()
+    assert copies["b"].sum() == sum(range(6, 24))  # a copy: the source may change now
+    kept = device.fetched(tensors)  # CPU tensors, by default: as they are
+    assert all(kept[k].data_ptr() == t.data_ptr() for k, t in tensors.items())
