@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 RESTART_MESSAGE = "the server restarted while this request was in flight; submit it again"
+HOST_RESTART_MESSAGE = "the model host restarted while this request was in flight; submit it again"
 
 
 class DataDirInUse(RuntimeError):
@@ -27,6 +28,15 @@ class ServiceError(Exception):
 
     def reply_headers(self) -> dict[str, str]:
         return retry_after_headers(self.retry_after) | self.headers
+
+
+class HostRestarted(ServiceError):
+    """The model host (a Ray actor) died during the call: it may have stopped anywhere,
+    and the call's run lost what the host held (``handlers`` counts a forward_backward
+    so, as the run's answered calls since its step are: its next step is refused)."""
+
+    def __init__(self) -> None:
+        super().__init__("server", HOST_RESTART_MESSAGE, 500)
 
 
 def over_capacity(name: str, what: str, pending: int, limit: int, retry_after: float,

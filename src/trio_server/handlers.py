@@ -40,7 +40,7 @@ from trio_engine import (
 
 from . import checkpoints as ckpt
 from .engine import Engine, Failure, SampleJob, failure_from
-from .errors import ServiceError, check_quota
+from .errors import HostRestarted, ServiceError, check_quota
 from .metrics import StepTotals
 from .scheduler import WorkItem, tokens
 from .splitting import Split, in_whole_request, split_of
@@ -157,6 +157,9 @@ def _forward(ctx: Context, batch: list[WorkItem]) -> list[Result]:
     if error:  # the whole pass failed: every job in it, with that error
         results.update({k: (None, error) for k in jobs})
         outs = []
+        if isinstance(error, HostRestarted) and batch[0].op == "forward_backward":
+            for k in jobs:  # cut short with the host: a call its run's next step must not go without
+                ctx.unstepped[batch[k].request.model_id] += 1
     for k, out in zip(jobs, outs):
         item = batch[k]
         split = split_of(item)
@@ -371,7 +374,7 @@ def _refuse_part_of_a_batch(ctx: Context, run_id: str, lost: int) -> None:
     ctx.engine.drop_grads(run_id)
     since = calls - lost
     dropped = f"; the {since} made since are dropped with them, not to step on part of a batch" if since > 0 else ""
-    raise _lost_calls(calls, f"the service or its model host restarted ({lost} answered before it{dropped})")
+    raise _lost_calls(calls, f"the service or its model host restarted ({lost} made before it{dropped})")
 
 
 def _lost_calls(calls: int, when: str) -> ServiceError:

@@ -51,12 +51,10 @@ from .engine import (
     device_lost,
     written_before_it_died,
 )
-from .errors import ServiceError
+from .errors import HostRestarted, ServiceError
 
 log = logging.getLogger("trio.server")
 
-# (a training run's next optim_step is then refused for the gradients the restart lost, naming them)
-HOST_RESTART_MESSAGE = "the model host restarted while this request was in flight; submit it again"
 # Calls that change nothing on the host: safe to run again on a restarted actor.
 RETRY_SAFE = {"load", "tokenizer_files", "forward", "adapter_info", "prepare_sampler", "sample",
               "compute_logprobs", "flush"}
@@ -220,7 +218,7 @@ class RayEngine:
             except RayActorError:
                 if method not in RETRY_SAFE:
                     log.error("host actor of %s died during %s", self.base_model, method)
-                    raise ServiceError("server", HOST_RESTART_MESSAGE, 500) from None
+                    raise HostRestarted() from None
                 if time.monotonic() > deadline:
                     raise ServiceError("server", f"the model host of {self.base_model} is not coming back", 500) from None
                 log.warning("host actor of %s is restarting; retrying %s", self.base_model, method)

@@ -354,8 +354,7 @@ def test_a_step_the_host_died_in_is_refused_when_sent_again_not_made_on_nothing(
     """The Ray actor died during an optim_step ("submit it again"): the step had taken its
     run's count of calls, so the step sent again found no gradients on the new actor and
     no calls counted, and was answered done having trained nothing."""
-    from trio_server.errors import ServiceError
-    from trio_server.ray_engine import HOST_RESTART_MESSAGE
+    from trio_server.errors import HostRestarted
 
     core = ServiceCore(tmp_path, dtype="float32")
     tc = trainer(core)
@@ -366,13 +365,47 @@ def test_a_step_the_host_died_in_is_refused_when_sent_again_not_made_on_nothing(
     def dying(run_id, config):
         engine.host.zero_grad(run_id)  # the new actor holds none
         del engine.optim_step
-        raise ServiceError("server", HOST_RESTART_MESSAGE, 500)
+        raise HostRestarted()
 
     engine.optim_step = dying
     with pytest.raises(trio.ServerError, match="restarted while this request was in flight"):
         tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
     with pytest.raises(trio.ServerError, match=r"gradients of the 2 forward_backward call\(s\) .* were lost"):
         tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    assert tc.get_info().step == 0
+    core.close()
+
+
+def test_a_forward_backward_the_host_died_in_leaves_the_runs_next_step_refused(tmp_path):
+    """Pipelined calls: a forward_backward in flight when the Ray actor died ("submit it
+    again"), the next one run on the new actor, then optim_step: it was made on the second
+    call's gradients alone (part of the batch) and answered done. It is refused, as when
+    the calls the restart cut short had been answered."""
+    from trio_server.errors import HostRestarted
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    tc = trainer(core)
+    worker = core.workers[MODEL]
+    engine = worker.engine
+
+    def dying(jobs):
+        engine.forward_backward = restarted
+        raise HostRestarted()
+
+    def restarted(jobs):
+        del engine.forward_backward
+        worker._host_restarted()  # as RayEngine._call does on hearing of the restart, before the call runs
+        return engine.forward_backward(jobs)
+
+    engine.forward_backward = dying
+    cut_short, after = tc.forward_backward([DATUM]), tc.forward_backward([DATUM])
+    step = tc.optim_step(trio.AdamParams(learning_rate=1e-2))
+    with pytest.raises(trio.ServerError, match="restarted while this request was in flight"):
+        cut_short.result()
+    after.result()
+    with pytest.raises(trio.ServerError, match=r"gradients of the 2 forward_backward call\(s\) .* \(1 made before "
+                                               r"it; the 1 made since are dropped"):
+        step.result()
     assert tc.get_info().step == 0
     core.close()
 
@@ -484,7 +517,7 @@ def test_a_call_after_a_restart_lost_others_makes_no_step_on_part_of_a_batch(tmp
     tc._session.transport = LocalTransport(after)
     tc.forward_backward([DATUM]).result()  # the call the crash failed, resubmitted
     with pytest.raises(trio.ServerError, match=r"gradients of the 3 forward_backward call\(s\) .* were lost when the "
-                                               r"service or its model host restarted \(2 answered before it; the 1 made since are dropped"):
+                                               r"service or its model host restarted \(2 made before it; the 1 made since are dropped"):
         tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
     assert tc.get_info().step == 0
     for _ in range(3):

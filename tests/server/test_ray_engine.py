@@ -202,7 +202,7 @@ def test_calls_since_an_actor_restart_are_not_stepped_on_without_the_ones_it_los
     os.kill(tc.get_info().model_info["pid"], signal.SIGKILL)
     logprobs(tc)  # a call that only reads waits out the restart (a training call would fail with it)
     tc.forward_backward([datum(2)]).result()
-    with pytest.raises(trio.ServerError, match=r"gradients of the 3 forward_backward call\(s\) .* \(2 answered "
+    with pytest.raises(trio.ServerError, match=r"gradients of the 3 forward_backward call\(s\) .* \(2 made "
                                                r"before it; the 1 made since are dropped"):
         tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
     for trainee in (tc, reference):
