@@ -25,6 +25,7 @@ process, so it restarts the same way instead of failing every later call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -59,6 +60,9 @@ log = logging.getLogger("trio.server")
 RETRY_SAFE = {"load", "tokenizer_files", "forward", "adapter_info", "prepare_sampler", "sample",
               "compute_logprobs", "flush"}
 RESTART_WAIT_SECONDS = 120.0
+PLACEMENT_WAIT_SECONDS = 60.0  # an actor Ray has not placed by then has no node offering what it asks for
+PLACEMENT_POLL_SECONDS = 5.0  # how often a call waiting on an actor looks whether it is placed
+UNPLACED = ("PENDING_CREATION", "DEPENDENCIES_UNREADY")  # Ray's states of an actor waiting for a node
 DURABLE_WAIT_SECONDS = 600.0  # a snapshot write, behind at most a few others (SnapshotWriter)
 
 
@@ -106,12 +110,16 @@ class HostActor:
 
 
 def connect(address: str | None) -> None:
-    """Join the cluster at ``address``, or start a local Ray instance (once per process)."""
+    """Join the cluster at ``address`` (None: ``$RAY_ADDRESS``), or else start a local Ray
+    instance of this process's own (once per process). Never a cluster found by chance:
+    Ray's default joins any ``ray start --head`` this machine once registered, a stale
+    one included (start-up then hung)."""
     if ray.is_initialized():
         return
     started = time.monotonic()
+    address = address or os.environ.get("RAY_ADDRESS") or None
     # A local instance is for this machine only: keep it on the loopback interface.
-    ray.init(address=address, namespace="trio", include_dashboard=False, log_to_driver=True,
+    ray.init(address=address or "local", namespace="trio", include_dashboard=False, log_to_driver=True,
              configure_logging=False, _node_ip_address="127.0.0.1" if address is None else None)
     where = address or "a local instance"
     log.info("joined Ray (%s) in %.1f s: %s", where, time.monotonic() - started, ray.cluster_resources())
@@ -152,6 +160,18 @@ def _result(ref: Any, timeout: float | None = None) -> Any:
         raise (cause if isinstance(cause, Exception) else exc) from None
 
 
+def actor_state(actor: Any) -> str | None:
+    """Ray's state of ``actor`` (ALIVE, PENDING_CREATION, RESTARTING, ...), from the cluster's
+    control store; None when it cannot say. (Ray's public state API needs its dashboard,
+    which a local instance here runs without.)"""
+    try:
+        from ray._private.state import state
+
+        return str(state.actor_table(actor._actor_id.hex())["State"])
+    except Exception:
+        return None
+
+
 def wants_gpu(device: str | None) -> bool:
     spec = device or os.environ.get("TRIO_DEVICE") or "auto"
     if spec == "auto":
@@ -182,6 +202,7 @@ class RayEngine:
                                    "num_gpus": gpus if gpu else 0}
         if resource:
             options["resources"] = {resource: 0.001}
+        self.asks = {"GPU": options["num_gpus"], **options.get("resources", {})}  # for the placement error
         # Ray starts workers with OMP_NUM_THREADS=1; raising torch's thread count afterwards
         # still left a step ~20% slower than in-process here, so the actor starts with it set.
         threads = int(os.environ.get("TRIO_THREADS") or os.cpu_count() or 1)
@@ -194,6 +215,8 @@ class RayEngine:
         actor_class = ray.remote(concurrency_groups={"durable": 1})(HostActor)  # type: ignore[call-overload]
         self.actor: Any = actor_class.options(**options).remote(base_model, settings, threads)
         self.incarnation: str | None = None  # the actor's, as last heard (HostActor.call)
+        # a call waited its whole time for the actor in vain: later calls try once, until one is answered
+        self.gave_up = False
         self.notify_restart: Callable[[], None] = lambda: None
 
     def watch_restarts(self, notify: Callable[[], None]) -> None:
@@ -203,11 +226,12 @@ class RayEngine:
         """The actor's ``method``. ``watched``: a call of the worker's thread, which learns of a
         restart (``notify_restart``) before its call runs on the new actor; the calls other
         threads make (they only read) neither check nor notify."""
-        deadline = time.monotonic() + RESTART_WAIT_SECONDS
+        deadline = time.monotonic() + (0.0 if self.gave_up else RESTART_WAIT_SECONDS)
         while True:
             try:
-                incarnation, result = _result(self.actor.call.remote(self.incarnation if watched else None,
-                                                                     method, *args))
+                incarnation, result = self._placed_result(self.actor.call.remote(self.incarnation if watched else None,
+                                                                                 method, *args))
+                self.gave_up = False
                 if self.incarnation is None and watched:
                     self.incarnation = incarnation
                 if not isinstance(result, NotRun):
@@ -219,10 +243,33 @@ class RayEngine:
                 if method not in RETRY_SAFE:
                     log.error("host actor of %s died during %s", self.base_model, method)
                     raise HostRestarted() from None
-                if time.monotonic() > deadline:
+                if time.monotonic() >= deadline:
+                    self.gave_up = True  # the model's queued calls are told at once, not one a wait apiece
                     raise ServiceError("server", f"the model host of {self.base_model} is not coming back", 500) from None
                 log.warning("host actor of %s is restarting; retrying %s", self.base_model, method)
                 time.sleep(0.5)
+
+    def _placed_result(self, ref: Any) -> Any:
+        """``_result``; but while the actor waits for a node (none offers the GPU or resource
+        it asks for: a pinned node lost, GPUs taken) Ray holds the call for good: after
+        PLACEMENT_WAIT_SECONDS (at once once a call gave up) it fails, naming what is missing."""
+        unplaced_since = None
+        while True:
+            try:
+                return _result(ref, timeout=PLACEMENT_POLL_SECONDS)
+            except GetTimeoutError:
+                if actor_state(self.actor) not in UNPLACED:  # placed: a long call
+                    unplaced_since = None
+                    continue
+                now = time.monotonic()
+                unplaced_since = unplaced_since or now
+                if self.gave_up or now - unplaced_since >= PLACEMENT_WAIT_SECONDS:
+                    self.gave_up = True
+                    with contextlib.suppress(Exception):
+                        ray.cancel(ref)
+                    raise ServiceError("server", f"the model host of {self.base_model} waits for a Ray node that "
+                                       f"offers what it asks for ({self.asks}); none has it free (available: "
+                                       f"{ray.available_resources()})", 500) from None
 
     def load(self) -> dict[str, Any]:
         return self._call("load", watched=False)
@@ -253,14 +300,25 @@ class RayEngine:
 
     def durable(self, write: Durability) -> None:
         """The actor writes its snapshots. If it dies while we wait (or died before we
-        asked: its restarted self is another engine, which checks the same way), or does not
-        answer within ``DURABLE_WAIT_SECONDS``, the snapshot on disk says whether the step
-        was kept."""
-        try:
-            _result(self.actor.durable.remote(write), timeout=DURABLE_WAIT_SECONDS)
-        except (RayActorError, GetTimeoutError):
+        asked: its restarted self is another engine, which checks the same way), the
+        snapshot on disk says whether the step was kept. A live actor is waited for, however
+        slow its disk: its step stands, and told lost the client would make it twice."""
+        ref = self.actor.durable.remote(write)
+        while True:
+            try:
+                _result(ref, timeout=DURABLE_WAIT_SECONDS)
+                return
+            except GetTimeoutError:
+                if actor_state(self.actor) == "ALIVE":  # a slow disk: the write comes, or its retries give up
+                    log.warning("host actor of %s: run %s's snapshot not written after %.0f s; waiting on",
+                                self.base_model, write.run_id, DURABLE_WAIT_SECONDS)
+                    continue
+            except RayActorError:
+                pass
+            # gone (a step read as lost while the actor still held it would be applied twice when redone)
             log.warning("host actor of %s: no answer on run %s's snapshot; reading it", self.base_model, write.run_id)
             written_before_it_died(self.snapshot_dir, write)
+            return
 
     def adapter_info(self, run_id: str) -> AdapterInfo:
         return self._call("adapter_info", run_id)

@@ -502,3 +502,149 @@ def test_a_ray_host_whose_gpu_context_is_lost_ends_its_process(monkeypatch):
     with pytest.raises(KeyError):
         actor.call("i1", "adapter_info", "run-x")
     assert exits == [1]
+
+
+class FakeClock:
+    """time.monotonic and time.sleep for ray_engine: waits pass at once, and are counted."""
+
+    def __init__(self, monkeypatch):
+        from trio_server import ray_engine
+
+        self.now = 0.0
+        monkeypatch.setattr(ray_engine.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(ray_engine.time, "sleep", self.advance)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def fake_ray_engine(monkeypatch, answer):
+    """A RayEngine whose actor's every call is ``answer(timeout)`` (raise or return)."""
+    import ray
+
+    from trio_server import ray_engine
+
+    class Method:
+        @staticmethod
+        def remote(*args):
+            return "ref"
+
+    class Actor:
+        call = durable = Method
+
+    engine = object.__new__(ray_engine.RayEngine)
+    engine.base_model, engine.actor, engine.incarnation, engine.gave_up = MODEL, Actor(), None, False
+    engine.asks = {"GPU": 0, "trio_node_b": 0.001}
+    monkeypatch.setattr(ray_engine, "_result", lambda ref, timeout=None: answer(timeout))
+    monkeypatch.setattr(ray, "cancel", lambda ref: None)
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 2.0})
+    return engine
+
+
+def test_once_a_ray_host_is_given_up_on_its_models_queued_calls_fail_at_once(monkeypatch):
+    """An actor that does not come back (its pinned node lost): each queued call waited the
+    whole restart wait anew, so a queue of n calls took n x 120 s to be told."""
+    from ray.exceptions import RayActorError
+
+    from trio_server.errors import ServiceError
+    from trio_server.ray_engine import RESTART_WAIT_SECONDS
+
+    clock, tries = FakeClock(monkeypatch), []
+
+    def restarting(timeout):
+        tries.append(clock.now)
+        raise RayActorError()
+
+    engine = fake_ray_engine(monkeypatch, restarting)
+    with pytest.raises(ServiceError, match="not coming back"):
+        engine.load()
+    assert clock.now >= RESTART_WAIT_SECONDS and len(tries) > 100
+    tries.clear()
+    with pytest.raises(ServiceError, match="not coming back"):
+        engine.load()  # the next queued call: one try
+    assert len(tries) == 1
+    monkeypatch.setattr(engine, "_placed_result", lambda ref: ("i2", {"max_seq_len": 64}))
+    assert engine.load() == {"max_seq_len": 64} and not engine.gave_up  # back: the next outage waits again
+
+
+def test_a_call_on_an_actor_ray_cannot_place_fails_naming_what_it_asks_for(monkeypatch):
+    """A pinned node lost before the model's first call (or no GPU free): Ray holds the
+    actor and its calls for good, and the model's requests waited forever, queueing every
+    later one behind them. A placed actor's long call is waited for."""
+    from ray.exceptions import GetTimeoutError
+
+    from trio_server import ray_engine
+    from trio_server.errors import ServiceError
+
+    clock, state = FakeClock(monkeypatch), {"now": "PENDING_CREATION", "polls": 0}
+    monkeypatch.setattr(ray_engine, "actor_state", lambda actor: state["now"])
+
+    def never_ready(timeout):
+        state["polls"] += 1
+        clock.advance(timeout)
+        raise GetTimeoutError("not yet")
+
+    engine = fake_ray_engine(monkeypatch, never_ready)
+    with pytest.raises(ServiceError, match=r"waits for a Ray node that offers what it asks for "
+                                           r"\({'GPU': 0, 'trio_node_b': 0.001}\); none has it free"):
+        engine.load()
+    assert clock.now >= ray_engine.PLACEMENT_WAIT_SECONDS
+    state["polls"] = 0
+    with pytest.raises(ServiceError, match="waits for a Ray node"):
+        engine.load()
+    assert state["polls"] == 1  # given up on: told at once
+    # placed, and busy with a long call: waited for, however long
+    engine.gave_up, state["now"], answers = False, "ALIVE", iter([GetTimeoutError("busy")] * 50)
+
+    def busy_then_done(timeout):
+        clock.advance(timeout)
+        raise_or = next(answers, None)
+        if raise_or is not None:
+            raise raise_or
+        return "i1", {"max_seq_len": 64}
+
+    monkeypatch.setattr(ray_engine, "_result", lambda ref, timeout=None: busy_then_done(timeout))
+    assert engine.load() == {"max_seq_len": 64}
+
+
+def test_a_snapshot_wait_on_a_live_actor_waits_on_and_a_dead_ones_reads_the_disk(monkeypatch, tmp_path):
+    """A write slower than DURABLE_WAIT_SECONDS (a storage stall) was read as lost: the
+    client was told to redo a step that stood, and the redo made it twice."""
+    from ray.exceptions import GetTimeoutError
+
+    from trio_server import ray_engine
+    from trio_server.engine import Durability
+
+    state, answers = {"now": "ALIVE"}, iter([GetTimeoutError("slow"), GetTimeoutError("slow"), None])
+    monkeypatch.setattr(ray_engine, "actor_state", lambda actor: state["now"])
+
+    def slow_write(timeout):
+        if (answer := next(answers)) is not None:
+            raise answer
+
+    engine = fake_ray_engine(monkeypatch, slow_write)
+    engine.snapshot_dir = str(tmp_path)  # holds no snapshot: read, the step would be lost
+    write = Durability("engine-1", "run-a", write=1, step=1)
+    engine.durable(write)  # waited on: no SnapshotLost
+    state["now"], answers = "DEAD", iter([GetTimeoutError("gone")])
+    with pytest.raises(SnapshotLost):
+        engine.durable(write)
+
+
+def test_ray_starts_its_own_local_instance_unless_given_an_address(monkeypatch):
+    """Ray's default address joins any cluster this machine registered (a stale one hung
+    start-up); TRIO joins what it is told to, else starts its own."""
+    import ray
+
+    from trio_server import ray_engine
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append((kw["address"], kw["_node_ip_address"])))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {})
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_engine.connect(None)
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
+    ray_engine.connect(None)
+    ray_engine.connect("other:6379")
+    assert calls == [("local", "127.0.0.1"), ("head:6379", None), ("other:6379", None)]
