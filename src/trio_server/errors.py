@@ -35,8 +35,13 @@ class HostRestarted(ServiceError):
     and the call's run lost what the host held (``handlers`` counts a forward_backward
     so, as the run's answered calls since its step are: its next step is refused)."""
 
-    def __init__(self) -> None:
-        super().__init__("server", HOST_RESTART_MESSAGE, 500)
+    def __init__(self, method: str = "") -> None:
+        if method == "optim_step":  # sent again alone it is refused: the gradients went with the host
+            message = ("the model host restarted during this optim_step, and the gradients of the run's "
+                       "forward_backward calls since its last step with it: run them again, then optim_step")
+        else:
+            message = HOST_RESTART_MESSAGE
+        super().__init__("server", message, 500)
 
 
 def over_capacity(name: str, what: str, pending: int, limit: int, retry_after: float,

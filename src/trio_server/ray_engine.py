@@ -242,7 +242,7 @@ class RayEngine:
             except RayActorError:
                 if method not in RETRY_SAFE:
                     log.error("host actor of %s died during %s", self.base_model, method)
-                    raise HostRestarted() from None
+                    raise HostRestarted(method) from None
                 if time.monotonic() >= deadline:
                     self.gave_up = True  # the model's queued calls are told at once, not one a wait apiece
                     raise ServiceError("server", f"the model host of {self.base_model} is not coming back", 500) from None

@@ -365,10 +365,10 @@ def test_a_step_the_host_died_in_is_refused_when_sent_again_not_made_on_nothing(
     def dying(run_id, config):
         engine.host.zero_grad(run_id)  # the new actor holds none
         del engine.optim_step
-        raise HostRestarted()
+        raise HostRestarted("optim_step")
 
     engine.optim_step = dying
-    with pytest.raises(trio.ServerError, match="restarted while this request was in flight"):
+    with pytest.raises(trio.ServerError, match="restarted during this optim_step.*run them again, then optim_step"):
         tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
     with pytest.raises(trio.ServerError, match=r"gradients of the 2 forward_backward call\(s\) .* were lost"):
         tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
