@@ -304,6 +304,11 @@ class Store:
         query = api_keys.update().where(api_keys.c.key_hash.startswith(key["id"])).values(**values)
         self._transaction(lambda c: c.execute(query))
 
+    def revoked(self, user_id: str) -> bool:
+        """Whether this user's key is revoked (False for a user with no key: --no-auth)."""
+        query = sa.select(api_keys.c.revoked_at).where(api_keys.c.user_id == user_id)
+        return self._transaction(lambda c: c.execute(query).scalar()) is not None
+
     def budget_of(self, user_id: str) -> int | None:
         """The token budget of this user's key (None: no key, as with --no-auth, or no limit)."""
         query = sa.select(api_keys.c.budget_tokens).where(api_keys.c.user_id == user_id)

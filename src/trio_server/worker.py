@@ -143,6 +143,8 @@ def _to_keep(item: WorkItem, result: Result) -> bool:
     return result[1] is None and item.context.get("durable") is not None
 
 
+KEY_REVOKED = ServiceError("authentication", "this request's API key was revoked after the request was queued; "
+                           "it did not run", 401)
 PASS_OPS = ("forward", "forward_backward")  # a failed pass changes nothing: it may run again
 
 
@@ -300,7 +302,7 @@ class HostWorker:
             work = self._schedule()
             if work is None:
                 return
-            admit, batch = work
+            admit, batch = self._unrevoked(work[0]), self._unrevoked(work[1])
             if batch:
                 self._run_batch(batch)
             if admit or self.decoding:
@@ -308,6 +310,26 @@ class HostWorker:
             elif not batch:
                 self._skip_missing_seqs()
             self._offload_runs()
+
+    def _unrevoked(self, items: list[WorkItem]) -> list[WorkItem]:
+        """``items`` less those of users whose key was revoked since they were queued (a
+        stolen key's queue, say): those end here, unrun and counting nothing."""
+        revoked = {user for user in {item.user_id for item in items} if self._revoked(user)}
+        for item in (item for item in items if item.user_id in revoked):
+            self._done(item)
+            split = split_of(item)
+            if split is None:
+                self.answers.answer(item, (None, KEY_REVOKED))
+            else:
+                self._part_done(split, (None, KEY_REVOKED))
+        return [item for item in items if item.user_id not in revoked]
+
+    def _revoked(self, user_id: str) -> bool:
+        try:
+            return self.ctx.store.revoked(user_id)
+        except Exception as exc:  # the database down past its retries: its requests fail on their own
+            log.warning("could not read whether user %s's key is revoked: %s", user_id, exc)
+            return False
 
     def _run_batch(self, batch: list[WorkItem]) -> None:
         results = self._execute(batch)

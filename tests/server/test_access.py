@@ -59,6 +59,51 @@ def test_keys_list_shows_ids_never_keys_and_revoke_refuses_at_once(server):
     assert next(ln for ln in listed.splitlines() if key_id in ln).split()[-1] != "-"
 
 
+def test_a_revoked_keys_queued_requests_do_not_run(server, monkeypatch):
+    """Revoking a stolen key refused its new requests, but the ones it had queued (up to
+    max_pending_per_user: optim_steps at any learning rate, say) still ran on the owner's
+    runs. They now end unrun when their turn comes, and count no usage."""
+    import threading
+
+    import pytrio as trio
+    from trio_server import store as tables
+
+    from ..polling import wait_until
+
+    key = server.core.store.create_api_key("stolen")
+    tc = trio.ServiceClient(base_url=server.url, api_key=key).create_lora_training_client(
+        base_model="trio/tiny-llama", rank=2)
+    toks = [1, 17, 300, 42, 9, 77]
+    data = [trio.Datum(model_input=trio.ModelInput.from_ints(toks[:-1]), loss_fn_inputs={"target_tokens": toks[1:]})]
+    host = server.core.workers["trio/tiny-llama"].engine.host
+    running, release, real = threading.Event(), threading.Event(), host.forward_backward
+
+    def held(jobs):
+        running.set()
+        release.wait(60)
+        return real(jobs)
+
+    monkeypatch.setattr(host, "forward_backward", held)
+    tc.forward_backward(data)  # runs: held in the engine while the key is revoked
+    assert running.wait(60)
+    tc.forward_backward(data)
+    tc.optim_step(trio.AdamParams(learning_rate=1e3))
+    wait_until(lambda: len(server.core.store.select(tables.requests, run_id=tc.model_id)) == 3, "3 calls queued")
+    user = server.core.store.user_for_key(key)
+    server.core.store.revoke_api_key("stolen")
+    release.set()
+
+    def outcomes():
+        rows = server.core.store.select(tables.requests, run_id=tc.model_id)
+        return [(r["op"], r["status"], r["error_category"]) for r in rows if r["op"] != "create_model"]
+
+    wait_until(lambda: all(status != "pending" for _, status, _ in outcomes()), "the queue to end")
+    assert sorted(outcomes()) == [("forward_backward", "done", None), ("forward_backward", "failed", "authentication"),
+                                  ("optim_step", "failed", "authentication")]
+    assert server.core.store.get(tables.runs, run_id=tc.model_id)["step"] == 0
+    assert server.core.store.usage_total(user) == 5  # the one call that ran: 5 tokens trained
+
+
 def test_revoke_by_name_and_unknown_or_ambiguous_names(server):
     key = server.core.store.create_api_key("by-name")
     assert trio_cli("keys", "revoke", "by-name", "--data-dir", str(server.data_dir)).returncode == 0
