@@ -11,7 +11,8 @@ finished request leaves at once; ``generate`` admits everything and steps to the
 Sampling is a pure chain over fp32 logits (temperature -> top-k -> top-p -> draw) with
 one seeded ``torch.Generator`` per request, so a seed gives the same output whatever
 else shares the batch (on one kind of device: CPU and CUDA generators draw different
-streams; in fp32, but for about one draw in 100,000 that the logits' last bits decide:
+streams, and so may two GPU models, whose kernels lay out a stream by their count of
+multiprocessors; in fp32, but for about one draw in 100,000 that the logits' last bits decide:
 see ``_draw``; and ``DecodeBatch``'s "Seeds" for bf16). The logprob returned for a
 token is log p(token) under the model (temperature 1), from the same unembedding + fp32
 log-softmax as the trainer's ``ModelHost.token_logprobs``, so importance ratios start at 1.
