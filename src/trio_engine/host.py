@@ -358,9 +358,12 @@ class ModelHost:
             return outcomes
 
     def _alone(self, job: ForwardJob, backward: bool) -> ForwardResult | Exception:
-        """One job on its own; on failure its grads are left as they were and it gets its error."""
-        saved = self._save_grads(_adapters_of([job])) if backward else {}
+        """One job on its own; on failure its grads are left as they were and it gets its error
+        (never raises: the jobs before it in the batch have added their gradients, and a
+        raise would report them failed too, to be run, and added, again)."""
+        saved: dict = {}
         try:
+            saved = self._save_grads(_adapters_of([job])) if backward else {}  # a copy may not fit either
             [result] = self._run([job], backward)
             error: Exception | None = self._backward_error(job, result) if backward else None
         except Exception as exc:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+
 from trio_engine import (
     AdamConfig,
     AdapterNotFoundError,
@@ -129,12 +131,22 @@ class WeightsNotFoundError(FileNotFoundError):
     """A sampler's checkpoint folder is gone (deleted after the sampler was made)."""
 
 
+# CUDA errors after which a process's device context is unusable: every later call fails alike
+STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                      "uncorrectable ECC", "misaligned address", "illegal instruction", "hardware stack error")
+
+
 def device_lost(exc: BaseException) -> bool:
     """Whether ``exc`` is a CUDA error after which this process's device context is
-    unusable (a device-side assert, an illegal memory access, a GPU fallen off the bus):
-    every later call on the device fails the same way. Running out of memory is not one."""
-    text = f"{type(exc).__name__}: {exc}"
-    return ("CUDA error" in text or type(exc).__name__ == "AcceleratorError") and "out of memory" not in text
+    unusable (a device-side assert, an illegal memory access, a faulty GPU). Told by the
+    exception's type, torch's own CUDA errors, never by text alone (the engine's input
+    errors quote users' input); and by the error: running out of memory is not one, nor
+    one any new process would meet again (no kernel image for this GPU), which a restart
+    would only repeat."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8
+    if not (isinstance(exc, accelerator_error) or (type(exc) is RuntimeError and str(exc).startswith("CUDA error: "))):
+        return False
+    return any(sticky in str(exc) for sticky in STICKY_CUDA_ERRORS)
 
 
 def _report_device_lost(exc: BaseException) -> None:

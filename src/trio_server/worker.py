@@ -145,12 +145,15 @@ def _to_keep(item: WorkItem, result: Result) -> bool:
 
 KEY_REVOKED = ServiceError("authentication", "this request's API key was revoked after the request was queued; "
                            "it did not run", 401)
+OUT_OF_MEMORY = ("OutOfMemoryError: ", "MemoryError: ")  # failure_from's messages start with the type
 PASS_OPS = ("forward", "forward_backward")  # a failed pass changes nothing: it may run again
 
 
 def out_of_memory(error: ServiceError | None) -> bool:
-    """Whether a request failed for want of memory (``torch.OutOfMemoryError`` on a GPU)."""
-    return error is not None and ("OutOfMemoryError" in error.message or "out of memory" in error.message)
+    """Whether a request failed for want of memory (``torch.OutOfMemoryError`` on a GPU): a
+    server error that ``engine.failure_from`` named by that type, never a message that just
+    says so (a validation error quotes a user's input)."""
+    return error is not None and error.category == "server" and error.message.startswith(OUT_OF_MEMORY)
 
 
 class HostWorker:
@@ -463,15 +466,7 @@ class HostWorker:
             keep = {item.run_id for item in batch} | {item.run_id for item in self.pending}
         idle = [run_id for _, run_id in sorted((used, run_id) for run_id, used in self.last_used.items())
                 if run_id not in keep]
-        freed = 0
-        for run_id in idle[: -(-len(idle) // 2)]:
-            try:
-                self.engine.offload(run_id)
-            except Exception as exc:
-                log.warning("run %s not offloaded to make room: %s", run_id, exc)
-                continue
-            self.last_used.pop(run_id, None)
-            freed += 1
+        freed = sum(self._offload(run_id) for run_id in idle[: -(-len(idle) // 2)])
         log.warning("%s ran out of memory; offloaded %d idle runs of %d resident and trying it once more",
                     batch[0].op, freed, len(self.last_used) + freed)
         return freed > 0
@@ -492,12 +487,17 @@ class HostWorker:
                 return
             if run_id in queued or run_id not in self.last_used:  # gone: a host restart emptied the map
                 continue
-            try:  # resident until it is out: a host restart found here marks it like the others
-                self.engine.offload(run_id)
-            except Exception as exc:  # e.g. its snapshot could not be written: it stays, counted, tried later
-                self.last_used[run_id] = time.monotonic()
-                log.warning("run %s not offloaded: %s", run_id, exc)
-                continue
-            self.last_used.pop(run_id, None)
-            excess -= 1
-            log.info("offloaded run %s to disk (unused for %.0f s)", run_id, time.monotonic() - used)
+            if self._offload(run_id):
+                excess -= 1
+                log.info("offloaded run %s to disk (unused for %.0f s)", run_id, time.monotonic() - used)
+
+    def _offload(self, run_id: str) -> bool:
+        """Send one run to disk; False if it stays (counted resident, tried again later)."""
+        try:  # resident until it is out: a host restart found here marks it like the others
+            self.engine.offload(run_id)
+        except Exception as exc:  # e.g. its snapshot could not be written
+            self.last_used[run_id] = time.monotonic()
+            log.warning("run %s not offloaded: %s", run_id, exc)
+            return False
+        self.last_used.pop(run_id, None)
+        return True

@@ -262,6 +262,43 @@ def test_a_co_batched_pass_that_fails_where_its_jobs_alone_run_is_logged(tiny_ho
         tiny_host.delete_adapter(aid)
 
 
+def test_a_job_whose_grads_cannot_be_copied_alone_fails_alone(tiny_host, new_id, monkeypatch):
+    """A co-batched pass short of memory runs its jobs alone; the second's copy of its grads
+    ran short too and raised out of the whole call, after the first had added its
+    gradients: both were reported failed, and a retry (the worker's, after making room)
+    added the first's again."""
+    a, b = new_id(), new_id()
+    for aid in (a, b):
+        tiny_host.create_adapter(aid, LoraConfig(rank=4))
+    rng = random.Random(5)
+    jobs = [ForwardJob(a, [random_example(tiny_host.vocab_size, 9, rng)]),
+            ForwardJob(b, [random_example(tiny_host.vocab_size, 5, rng)])]
+    tiny_host.forward_backward(jobs[:1])
+    once = {k: p.grad.clone() for k, p in tiny_host.adapter_params(a).items()}
+    tiny_host.zero_grad(a)
+    run, save, saves = tiny_host._run, tiny_host._save_grads, []
+
+    def shared_pass_short(batch, backward):
+        if len(batch) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (the shared pass)")
+        return run(batch, backward)
+
+    def third_copy_short(adapters):
+        saves.append(adapters)
+        if len(saves) == 3:  # the shared pass's copy, a's alone, then b's
+            raise torch.OutOfMemoryError("CUDA out of memory (b's copy)")
+        return save(adapters)
+
+    monkeypatch.setattr(tiny_host, "_run", shared_pass_short)
+    monkeypatch.setattr(tiny_host, "_save_grads", third_copy_short)
+    first, second = tiny_host.forward_backward(jobs)
+    assert not isinstance(first, Exception) and isinstance(second, torch.OutOfMemoryError)
+    for k, p in tiny_host.adapter_params(a).items():
+        torch.testing.assert_close(p.grad, once[k])  # added once
+    for aid in (a, b):
+        tiny_host.delete_adapter(aid)
+
+
 @pytest.mark.co_batch_bug
 @pytest.mark.parametrize(("shared_error", "alone_error", "logged"), [
     (RuntimeError, ValueError, True), (RuntimeError, RuntimeError, False), (InvalidInputError, "nan", True)])

@@ -477,6 +477,15 @@ def test_a_lost_gpu_context_is_acted_on_once_and_out_of_memory_is_not(engine, mo
     monkeypatch.setattr(engine.host, "forward_backward", out_of_memory)
     (out,) = engine.forward_backward([job("run-a")])
     assert isinstance(out, Failure) and len(lost) == 1
+    # told by torch's error type, never by text a user can put in an input error, and not
+    # for an error every new process meets again (a restart would only loop)
+    from trio_engine import InvalidInputError
+    from trio_server.engine import device_lost
+
+    assert not device_lost(InvalidInputError(f"data[0].loss_fn_inputs: unknown key {ILLEGAL_ACCESS!r}"))
+    assert not device_lost(ValueError(ILLEGAL_ACCESS))
+    assert not device_lost(RuntimeError("CUDA error: no kernel image is available for execution on the device"))
+    assert device_lost(RuntimeError("CUDA error: device-side assert triggered"))
 
 
 def test_a_ray_host_whose_gpu_context_is_lost_ends_its_process(monkeypatch):
