@@ -346,6 +346,7 @@ class ServiceCore:
                             user_id=user_id)
             base_model = self._route(item)
             self._check_budget(item)
+            self._worker(base_model)  # a model that cannot be served (no GPU room) is refused before anything is kept
         except ServiceError as exc:
             if (place := self._place_of_refused(user_id, body)) is None:
                 raise

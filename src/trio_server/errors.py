@@ -36,9 +36,12 @@ class HostRestarted(ServiceError):
     so, as the run's answered calls since its step are: its next step is refused)."""
 
     def __init__(self, method: str = "") -> None:
-        if method == "optim_step":  # sent again alone it is refused: the gradients went with the host
-            message = ("the model host restarted during this optim_step, and the gradients of the run's "
-                       "forward_backward calls since its last step with it: run them again, then optim_step")
+        if method in ("forward_backward", "optim_step"):
+            # what then happens (handlers: the run's next step is refused, dropping calls made
+            # since), so that doing as told works: a resent call alone would be refused again
+            message = (f"the model host restarted during this {method}, and the gradients of the run's "
+                       "forward_backward calls since its last step went with it: the run's next optim_step "
+                       "is refused; after that, run those calls again, then optim_step")
         else:
             message = HOST_RESTART_MESSAGE
         super().__init__("server", message, 500)

@@ -18,7 +18,8 @@ optim_step turns the sums into the step's metrics, which the store keeps:
                   (its pass is a cross_entropy on -dloss/dlogprobs, whose own loss and
                   weights mean nothing to the user: they count in neither ``loss`` nor
                   ``<name>:mean``); a step of such calls alone shows it as ``loss`` too.
-                  Its loss_fn's metrics: each under its name, the mean over the calls.
+                  Its loss_fn's metrics: each under its name, the mean over the calls
+                  (but for the service's own names: ``log_metrics`` records those).
     grad_norm, learning_rate   from optim_step
 
 The sums live in memory, as the gradients they describe do: a restart loses a step's
@@ -85,6 +86,7 @@ class StepTotals:
             out["custom_loss"] = sum(self.custom_losses)
             if not self.calls:
                 out["loss"] = out["custom_loss"]
-            out.update({name: sum(values) / len(values) for name, values in self.custom_sums.items()})
+            out.update({name: sum(values) / len(values) for name, values in self.custom_sums.items()
+                        if name not in out and name not in OPTIM_METRICS})  # the service's own names stay its
         out.update({k: float(optim_metrics[k]) for k in OPTIM_METRICS if k in optim_metrics})
         return {k: v for k, v in out.items() if math.isfinite(v)}

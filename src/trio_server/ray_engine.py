@@ -254,10 +254,12 @@ class RayEngine:
         it asks for: a pinned node lost, GPUs taken) Ray holds the call for good: after
         PLACEMENT_WAIT_SECONDS (at once once a call gave up) it fails, naming what is missing."""
         unplaced_since = None
+        timeout = 0.0 if self.gave_up else PLACEMENT_POLL_SECONDS  # given up on: still unplaced is told at once
         while True:
             try:
-                return _result(ref, timeout=PLACEMENT_POLL_SECONDS)
+                return _result(ref, timeout=timeout)
             except GetTimeoutError:
+                timeout = PLACEMENT_POLL_SECONDS
                 if actor_state(self.actor) not in UNPLACED:  # placed: a long call
                     unplaced_since = None
                     continue

@@ -134,7 +134,7 @@ def test_a_custom_loss_records_the_users_loss_and_metrics_not_its_surrogates(svc
 
     def loss_fn(data, lps):
         loss = sum(-a * lp.mean() for a, lp in zip(signs, lps))
-        return loss, {"kl": 0.25, "nan_metric": float("nan")}
+        return loss, {"kl": 0.25, "nan_metric": float("nan"), "tokens": 1.0, "grad_norm": 2.0}  # the last two: ours
 
     first = tc.forward_backward_custom([A, B, C], loss_fn).result()
     second = tc.forward_backward_custom([A, B, C], loss_fn).result()

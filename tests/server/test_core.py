@@ -368,11 +368,15 @@ def test_a_step_the_host_died_in_is_refused_when_sent_again_not_made_on_nothing(
         raise HostRestarted("optim_step")
 
     engine.optim_step = dying
-    with pytest.raises(trio.ServerError, match="restarted during this optim_step.*run them again, then optim_step"):
+    with pytest.raises(trio.ServerError, match="restarted during this optim_step.*next optim_step is refused; after "
+                                               "that, run those calls again, then optim_step"):
         tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
     with pytest.raises(trio.ServerError, match=r"gradients of the 2 forward_backward call\(s\) .* were lost"):
         tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
     assert tc.get_info().step == 0
+    for _ in range(2):  # as the message says: the calls again, then the step
+        tc.forward_backward([DATUM]).result()
+    assert tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result().metrics["step"] == 1
     core.close()
 
 
@@ -390,7 +394,7 @@ def test_a_forward_backward_the_host_died_in_leaves_the_runs_next_step_refused(t
 
     def dying(jobs):
         engine.forward_backward = restarted
-        raise HostRestarted()
+        raise HostRestarted("forward_backward")
 
     def restarted(jobs):
         del engine.forward_backward
@@ -400,13 +404,16 @@ def test_a_forward_backward_the_host_died_in_leaves_the_runs_next_step_refused(t
     engine.forward_backward = dying
     cut_short, after = tc.forward_backward([DATUM]), tc.forward_backward([DATUM])
     step = tc.optim_step(trio.AdamParams(learning_rate=1e-2))
-    with pytest.raises(trio.ServerError, match="restarted while this request was in flight"):
+    with pytest.raises(trio.ServerError, match="restarted during this forward_backward.*next optim_step is refused"):
         cut_short.result()
     after.result()
     with pytest.raises(trio.ServerError, match=r"gradients of the 2 forward_backward call\(s\) .* \(1 made before "
                                                r"it; the 1 made since are dropped"):
         step.result()
     assert tc.get_info().step == 0
+    for _ in range(2):  # as the message said: after that refusal, the calls again, then the step
+        tc.forward_backward([DATUM]).result()
+    assert tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result().metrics["step"] == 1
     core.close()
 
 

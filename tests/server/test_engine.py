@@ -598,10 +598,10 @@ def test_a_call_on_an_actor_ray_cannot_place_fails_naming_what_it_asks_for(monke
                                            r"\({'GPU': 0, 'trio_node_b': 0.001}\); none has it free"):
         engine.load()
     assert clock.now >= ray_engine.PLACEMENT_WAIT_SECONDS
-    state["polls"] = 0
+    state["polls"], before = 0, clock.now
     with pytest.raises(ServiceError, match="waits for a Ray node"):
         engine.load()
-    assert state["polls"] == 1  # given up on: told at once
+    assert state["polls"] == 1 and clock.now == before  # given up on: told at once, no poll waited
     # placed, and busy with a long call: waited for, however long
     engine.gave_up, state["now"], answers = False, "ALIVE", iter([GetTimeoutError("busy")] * 50)
 

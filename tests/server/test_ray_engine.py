@@ -103,8 +103,8 @@ def cores(ray_cluster, tmp_path_factory):
     """A core on the Ray cluster (model pinned to node b), and an in-process reference."""
     address, _ = ray_cluster
     sliced = Limits(slice_alone=True)  # one user's large calls run in passes too (see train)
-    on_ray = ServiceCore(tmp_path_factory.mktemp("ray-core"), dtype="float32", engine="ray",
-                         ray_address=address, ray_placement={MODEL: NODE_B}, limits=sliced)
+    on_ray = ServiceCore(tmp_path_factory.mktemp("ray-core"), dtype="float32", engine="ray", device="cpu",
+                         ray_address=address, ray_placement={MODEL: NODE_B}, limits=sliced)  # off the GPU declared
     local = ServiceCore(tmp_path_factory.mktemp("local-core"), dtype="float32", limits=sliced)
     yield on_ray, local
     on_ray.close()
@@ -267,6 +267,9 @@ def test_models_past_the_clusters_gpus_are_refused_by_name(ray_cluster, tmp_path
         with pytest.raises(trio.ValidationError, match=r"'trio/tiny-qwen3' needs 1 of a GPU, and this Ray cluster's "
                                                    r"1 GPUs are taken \(by trio/tiny-llama 1\).*--ray-gpus-per-model"):
             svc.create_lora_training_client(base_model="trio/tiny-qwen3", rank=2)
+        from trio_server import store as tables
+
+        assert [r["op"] for r in core.store.select(tables.requests) if r["status"] == "pending"] == []  # nothing kept
     finally:
         core.close()
 
