@@ -338,7 +338,7 @@ def _insert_run(ctx: Context, item: WorkItem, run_id: str, config: LoraConfig, s
 
 def _optim_step(ctx: Context, item: WorkItem) -> t.OptimStepResponse:
     req: t.OptimStepRequest = item.request
-    if lost := ctx.lost.pop(req.model_id, 0):
+    if lost := ctx.lost.get(req.model_id, 0):
         _refuse_part_of_a_batch(ctx, req.model_id, lost)
     # popped before the host is asked: a restart it finds now (HostWorker._host_restarted)
     # leaves this run unmarked, its calls refused once below, not again at the next step
@@ -369,9 +369,10 @@ def _refuse_part_of_a_batch(ctx: Context, run_id: str, lost: int) -> None:
     actor) lost the gradients of ``lost`` calls: refused, and the gradients of calls made
     since (a failed call resubmitted, the next batch) are dropped too. Stepping on them,
     the run would train on part of a batch and say nothing."""
+    ctx.engine.drop_grads(run_id)  # first: a host dying in it leaves the counts for the next try's refusal
+    ctx.lost.pop(run_id, None)
     calls = ctx.unstepped.pop(run_id, 0)
     ctx.steps.pop(run_id, None)
-    ctx.engine.drop_grads(run_id)
     since = calls - lost
     dropped = f"; the {since} made since are dropped with them, not to step on part of a batch" if since > 0 else ""
     raise _lost_calls(calls, f"the service or its model host restarted ({lost} made before it{dropped})")

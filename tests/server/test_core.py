@@ -417,6 +417,33 @@ def test_a_forward_backward_the_host_died_in_leaves_the_runs_next_step_refused(t
     core.close()
 
 
+def test_a_refusal_cut_short_by_the_host_leaves_the_next_step_refused(tmp_path):
+    """The refusal of a step after a restart drops the run's gradients on the host; the host
+    dying in that call took the run's counts with it, and the step sent again was answered
+    done having stepped on nothing."""
+    from trio_server.errors import HostRestarted
+
+    core = ServiceCore(tmp_path, dtype="float32")
+    tc = trainer(core)
+    for _ in range(2):
+        tc.forward_backward([DATUM]).result()
+    worker = core.workers[MODEL]
+    worker.engine.host.zero_grad(tc.model_id)
+    worker._host_restarted()  # as on hearing of a restart: the run's 2 calls are lost
+
+    def dying(run_id):
+        del worker.engine.drop_grads
+        raise HostRestarted("drop_grads")
+
+    worker.engine.drop_grads = dying
+    with pytest.raises(trio.ServerError, match="restarted"):
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    with pytest.raises(trio.ServerError, match=r"gradients of the 2 forward_backward call\(s\) .* were lost"):
+        tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result()
+    assert tc.get_info().step == 0
+    core.close()
+
+
 def test_a_step_whose_snapshot_landed_but_not_its_record_is_answered_done_after_a_restart(tmp_path):
     """A crash after a step's snapshot is written and before its record is stored (a
     PostgreSQL blip holds the record up to a minute) leaves the step made and its request
