@@ -262,17 +262,21 @@ def test_a_co_batched_pass_that_fails_where_its_jobs_alone_run_is_logged(tiny_ho
         tiny_host.delete_adapter(aid)
 
 
+def two_jobs(host, new_id, lengths: tuple[int, int]) -> tuple[str, str, list[ForwardJob]]:
+    """Two new rank-4 adapters, and one job of one example of each length for each."""
+    a, b = new_id(), new_id()
+    for aid in (a, b):
+        host.create_adapter(aid, LoraConfig(rank=4))
+    rng = random.Random(5)
+    return a, b, [ForwardJob(aid, [random_example(host.vocab_size, n, rng)]) for aid, n in zip((a, b), lengths)]
+
+
 def test_a_job_whose_grads_cannot_be_copied_alone_fails_alone(tiny_host, new_id, monkeypatch):
     """A co-batched pass short of memory runs its jobs alone; the second's copy of its grads
     ran short too and raised out of the whole call, after the first had added its
     gradients: both were reported failed, and a retry (the worker's, after making room)
     added the first's again."""
-    a, b = new_id(), new_id()
-    for aid in (a, b):
-        tiny_host.create_adapter(aid, LoraConfig(rank=4))
-    rng = random.Random(5)
-    jobs = [ForwardJob(a, [random_example(tiny_host.vocab_size, 9, rng)]),
-            ForwardJob(b, [random_example(tiny_host.vocab_size, 5, rng)])]
+    a, b, jobs = two_jobs(tiny_host, new_id, (9, 5))
     tiny_host.forward_backward(jobs[:1])
     once = {k: p.grad.clone() for k, p in tiny_host.adapter_params(a).items()}
     tiny_host.zero_grad(a)
@@ -311,12 +315,7 @@ def test_a_job_failing_alone_explains_a_shared_failure_only_when_it_fails_alike(
     be why: not logged. Either way that job gets its own error and the other its answer."""
     from trio_engine.host import CO_BATCH_BUG
 
-    a, b = new_id(), new_id()
-    for aid in (a, b):
-        tiny_host.create_adapter(aid, LoraConfig(rank=4))
-    rng = random.Random(5)
-    jobs = [ForwardJob(a, [random_example(tiny_host.vocab_size, 7, rng)]),
-            ForwardJob(b, [random_example(tiny_host.vocab_size, 4, rng)])]
+    a, b, jobs = two_jobs(tiny_host, new_id, (7, 4))
     run = tiny_host._run
 
     def failing(batch, backward):
