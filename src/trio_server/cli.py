@@ -25,6 +25,7 @@ from typing import Any
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ENGINES = ("local", "ray")
+_DTYPES = ("float32", "bfloat16")
 _LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_per_user", "max_pending_per_user",
                 "max_pending_total", "max_batch_tokens", "max_pass_tokens", "max_resident_runs", "slice_alone")
 
@@ -120,6 +121,21 @@ def fix_mmap_threshold() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
+def _check_tls(certfile: str, keyfile: str) -> None:
+    """Load the certificate and key now: uvicorn would fail on them only after the service
+    had started and said it listens, with a traceback that names neither file."""
+    import ssl
+
+    for flag, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        if not os.access(path, os.R_OK) or not os.path.isfile(path):
+            sys.exit(f"trio serve: {flag} {path}: no such readable file")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (ssl.SSLError, OSError) as exc:
+        sys.exit(f"trio serve: --ssl-certfile {certfile} and --ssl-keyfile {keyfile} do not load as a PEM "
+                 f"certificate chain and its private key ({getattr(exc, 'reason', None) or exc})")
+
+
 def limits_from(args: argparse.Namespace) -> Any:
     """The service's ``Limits``: the defaults, overridden by the flags given."""
     from .core import Limits
@@ -133,6 +149,8 @@ def limits_from(args: argparse.Namespace) -> Any:
 def serve(args: argparse.Namespace) -> None:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):  # before the slow imports
         sys.exit("trio serve: --ssl-certfile and --ssl-keyfile go together (got only one)")
+    if args.ssl_certfile:
+        _check_tls(args.ssl_certfile, args.ssl_keyfile)
     from trio_engine import Catalog
     from trio_engine.device import KEEP_FREED_ENV, kept_freed_bytes
 
@@ -148,6 +166,7 @@ def serve(args: argparse.Namespace) -> None:
     except ValueError as exc:
         sys.exit(f"trio serve: {exc}")
     fix_mmap_threshold()  # before the model and the first requests allocate
+    import sqlalchemy as sa
     import uvicorn
 
     from .app import create_app
@@ -170,10 +189,13 @@ def serve(args: argparse.Namespace) -> None:
         )
     except (DataDirInUse, ValueError) as exc:  # another server on the data dir; no such device
         sys.exit(f"trio serve: {exc}")
-    except OSError as exc:  # a read-only, full or foreign data dir: a line, not a traceback
-        if exc.errno not in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM):
+    except OSError as exc:  # a read-only, full, foreign or not-a-folder data dir: a line, not a traceback
+        if exc.errno not in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR):
             raise
         sys.exit(f"trio serve: cannot use {exc.filename or args.data_dir}: {exc.strerror}; give a writable --data-dir")
+    except (sa.exc.SQLAlchemyError, ModuleNotFoundError) as exc:  # the database: down, no driver, a bad URL
+        where = _without_password(args.db) if args.db else "the data dir's database"
+        sys.exit(f"trio serve: cannot open {where}: {database_error(exc)}")
     log.info("data dir %s, database %s, engine %s", core.data_dir,
              core.store.engine.url.render_as_string(hide_password=True), args.engine)
     host, port = sock.getsockname()[:2]
@@ -199,20 +221,45 @@ def serve(args: argparse.Namespace) -> None:
     Server(config).run(sockets=[sock])
 
 
-def _store(args: argparse.Namespace) -> Any:
-    import sqlalchemy as sa
-
+def _store(args: argparse.Namespace, create: bool = False) -> Any:
+    """The database of ``--db``, or of the data dir; ``create``: a new data dir's, made
+    (``keys create`` before the first ``trio serve``), else one that must exist (a typo
+    in --data-dir is an error, not an empty list)."""
     from .store import Store
 
     url = args.db
     if url is None:
         folder = _data_dir(args.data_dir)
-        folder.mkdir(parents=True, exist_ok=True)
+        if not create and not (folder / "trio.db").is_file():
+            sys.exit(f"trio keys: no TRIO database in {folder} (give the --data-dir or --db of the server)")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            sys.exit(f"trio keys: cannot use {folder} as the data dir: {exc.strerror}")
         url = f"sqlite:///{folder / 'trio.db'}"
     try:
         return Store(url)
-    except (sa.exc.OperationalError, sa.exc.ArgumentError) as exc:
-        sys.exit(f"trio: cannot open the database {url!r}: {getattr(exc, 'orig', None) or exc}")
+    except Exception as exc:  # no such server, driver or file; a malformed URL: a line, never the password
+        sys.exit(f"trio: cannot open the database {_without_password(url)}: {database_error(exc)}")
+
+
+def _without_password(url: str) -> str:
+    import sqlalchemy as sa
+
+    try:
+        return repr(sa.engine.make_url(url).render_as_string(hide_password=True))
+    except Exception:
+        return repr(re.sub(r"://([^:/@]*):[^@/]*@", r"://\1:***@", url))
+
+
+def database_error(exc: BaseException) -> str:
+    """What went wrong opening a database, in a line (a driver's own error if it gave one)."""
+    import sqlalchemy as sa
+
+    if isinstance(exc, sa.exc.NoSuchModuleError | ModuleNotFoundError):
+        return f"{exc} (is its driver installed?)"
+    cause = getattr(exc, "orig", None) or exc
+    return str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
 
 
 def keys_list(args: argparse.Namespace) -> None:
@@ -246,17 +293,39 @@ def keys_budget(args: argparse.Namespace) -> None:
     print(f"key {key['id']} ({key['name']!r}): budget {limit}")
 
 
+MAX_BUDGET = 2**63 - 1  # the database's BIGINT
+
+
 def budget(value: str) -> int | None:
-    """A token budget: a whole number >= 0, or ``none`` for no limit."""
+    """A token budget: a whole number >= 0 (at most MAX_BUDGET), or ``none`` for no limit."""
     if value.lower() == "none":
         return None
-    if not value.isdigit():
-        raise argparse.ArgumentTypeError(f"a budget is a whole number of tokens >= 0 or 'none', got {value!r}")
+    if not (value.isascii() and value.isdigit()) or int(value) > MAX_BUDGET:
+        raise argparse.ArgumentTypeError(f"a budget is a whole number of tokens from 0 to {MAX_BUDGET}, or 'none'; "
+                                         f"got {value!r}")
     return int(value)
 
 
+def seconds(value: str) -> float:
+    """argparse type for a duration: a finite number of seconds >= 0."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid duration {value!r}: expected a number of seconds >= 0")
+    return number
+
+
+def dtype(value: str) -> str:
+    """argparse type for ``--dtype``; unlike ``choices=`` it also checks a default taken from $TRIO_DTYPE."""
+    if value not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"invalid dtype {value!r}: expected one of {', '.join(_DTYPES)}")
+    return value
+
+
 def keys_create(args: argparse.Namespace) -> None:
-    key = _store(args).create_api_key(args.name, args.budget_tokens)
+    key = _store(args, create=True).create_api_key(args.name, args.budget_tokens)
     print(key)
     print(f"# key {args.name!r} created; it is shown only this once. Use: export PYTRIO_API_KEY={key}", file=sys.stderr)
     print(f"# for the tinker SDK: export TINKER_API_KEY=tml-{key}", file=sys.stderr)
@@ -325,11 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add ``serve``, ``keys`` and ``tokenizers`` to the ``trio`` parser's subcommands ``sub``."""
     p = sub.add_parser("serve", help="run the HTTP service")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=port, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
     p.add_argument("--data-dir", help="checkpoints and database (default $TRIO_HOME or ~/.cache/trio)")
     p.add_argument("--db", help="SQLAlchemy URL, e.g. postgresql://user@host/db (default SQLite in the data dir)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=os.environ.get("TRIO_DTYPE"))
+    p.add_argument("--dtype", type=dtype, default=os.environ.get("TRIO_DTYPE") or None,
+                   help="the base models' dtype: float32 or bfloat16 (default $TRIO_DTYPE, else float32 on a "
+                        "CPU and bfloat16 on a GPU that computes it)")
     p.add_argument("--engine", type=engine, choices=_ENGINES, default=os.environ.get("TRIO_ENGINE") or "local",
                    help="where model hosts run: threads in this process, or Ray actors "
                         "(default $TRIO_ENGINE or local)")
@@ -342,7 +413,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray-gpus-per-model", metavar="SHARE", type=float, default=1.0,
                    help="with --engine ray on a cluster with GPUs: the share of a GPU each base model's "
                         "host asks for (0.25: four small models on one GPU; default 1)")
-    p.add_argument("--seq-gap-seconds", type=float, default=None,
+    p.add_argument("--seq-gap-seconds", type=seconds, default=None,
                    help="how long a run's later requests wait for a sequence number that never "
                         "arrived before continuing without it (default 30)")
     p.add_argument("--max-runs-per-user", type=positive, metavar="N", help="quota: training runs per API key (default none)")
@@ -383,24 +454,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--budget-tokens", type=budget, metavar="N",
                    help="tokens (trained + prefilled + sampled) the key may use; then its new work is "
                         "refused (default: no limit)")
-    k.add_argument("--data-dir")
-    k.add_argument("--db")
+    _database_options(k)
     k.set_defaults(func=keys_create)
     k = keys.add_parser("list", help="list API keys: id, name, created, budget, used, revoked (never the key)")
-    k.add_argument("--data-dir")
-    k.add_argument("--db")
+    _database_options(k)
     k.set_defaults(func=keys_list)
     k = keys.add_parser("revoke", help="revoke an API key; a running server refuses it at once")
     k.add_argument("key", help="the key's id (from trio keys list) or its name")
-    k.add_argument("--data-dir")
-    k.add_argument("--db")
+    _database_options(k)
     k.set_defaults(func=keys_revoke)
     k = keys.add_parser("budget", help="set a key's token budget (trained + prefilled + sampled); "
                                        "a running server applies it at the key's next submit")
     k.add_argument("key", help="the key's id (from trio keys list) or its name")
     k.add_argument("tokens", type=budget, help="a number of tokens, or 'none' for no limit")
-    k.add_argument("--data-dir")
-    k.add_argument("--db")
+    _database_options(k)
     k.set_defaults(func=keys_budget)
 
     tok = sub.add_parser("tokenizers", help="tokenizers for clients (the tinker SDK, tinker-cookbook)")
@@ -411,6 +478,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                        "else ~/.cache/huggingface/hub)")
     t.add_argument("models", nargs="*", help="model names (default: every model available here)")
     t.set_defaults(func=tokenizers_install)
+
+
+def _database_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", help="the server's data dir (default $TRIO_HOME or ~/.cache/trio)")
+    parser.add_argument("--db", help="the server's --db URL instead, e.g. postgresql://user@host/db")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,7 +52,8 @@ def test_max_pass_tokens_flag_and_zero_for_never_split():
                                   ["--max-pending-per-user", "0"], ["--max-pending-total", "-3"],
                                   ["--max-batch-tokens", "0"], ["--max-pass-tokens", "-1"],
                                   ["--max-runs-per-user", "x"], ["--max-checkpoint-bytes-per-user", "0"],
-                                  ["--port", "-1"], ["--port", "70000"]])
+                                  ["--port", "-1"], ["--port", "70000"], ["--dtype", "fp8"],
+                                  ["--seq-gap-seconds", "-5"], ["--seq-gap-seconds", "nan"]])
 def test_bad_serve_flags_name_the_value(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *argv])
@@ -156,3 +157,50 @@ def test_a_data_dir_that_cannot_be_written_is_a_one_line_error(tmp_path, monkeyp
     with pytest.raises(SystemExit, match=r"trio serve: cannot use .*/data/trio.lock: Read-only file system; give a "
                                          "writable --data-dir"):
         cli.main(["serve", "--port", "0", "--data-dir", str(tmp_path / "data")])
+
+
+def test_a_dtype_from_the_environment_is_checked_like_the_flag(monkeypatch, capsys):
+    """argparse checks ``choices`` against the command line only: $TRIO_DTYPE=fp8 started a
+    server whose every first request failed."""
+    monkeypatch.setenv("TRIO_DTYPE", "fp8")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve"])
+    assert "invalid dtype 'fp8'" in capsys.readouterr().err
+    monkeypatch.setenv("TRIO_DTYPE", "bfloat16")
+    assert build_parser().parse_args(["serve"]).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("value", ["99999999999999999999", "\u0661\u0662", "-1", "1e3"])
+def test_a_budget_past_the_database_or_not_ascii_digits_is_refused(value, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["keys", "budget", "bob", value])
+    assert "a budget is a whole number of tokens from 0 to 9223372036854775807" in capsys.readouterr().err
+
+
+def test_database_and_data_dir_mistakes_are_one_line_errors(tmp_path):
+    """A typo in --data-dir listed an empty, new database; a missing driver, a database
+    down, a data dir that is a file or TLS files that do not load gave tracebacks (the
+    last after the server said it listened); a password in --db was echoed."""
+    from trio_server import cli
+
+    with pytest.raises(SystemExit, match="trio keys: no TRIO database in .*/typo"):
+        cli.main(["keys", "list", "--data-dir", str(tmp_path / "typo")])
+    assert not (tmp_path / "typo").exists()
+    with pytest.raises(SystemExit, match=r"cannot open the database 'mysql://x/y': .*is its driver installed"):
+        cli.main(["keys", "list", "--db", "mysql://x/y"])
+    with pytest.raises(SystemExit, match=r"cannot open the database 'postgresql://u:\*\*\*@127.0.0.1:1/x'"):
+        cli.main(["keys", "revoke", "k", "--db", "postgresql://u:s3cret@127.0.0.1:1/x"])
+    with pytest.raises(SystemExit, match=r"trio serve: cannot open 'postgresql://u:\*\*\*@127.0.0.1:1/x': "):
+        cli.main(["serve", "--port", "0", "--data-dir", str(tmp_path / "d"), "--db", "postgresql://u:s3cret@127.0.0.1:1/x"])
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit, match=r"trio serve: cannot use .*afile.*give a writable --data-dir"):
+        cli.main(["serve", "--port", "0", "--data-dir", str(tmp_path / "afile")])
+    (tmp_path / "cert.pem").write_text("not a certificate")
+    with pytest.raises(SystemExit, match=r"trio serve: --ssl-keyfile .*missing.key: no such readable file"):
+        cli.main(["serve", "--port", "0", "--ssl-certfile", str(tmp_path / "cert.pem"),
+                  "--ssl-keyfile", str(tmp_path / "missing.key")])
+    with pytest.raises(SystemExit, match=r"trio serve: --ssl-certfile .*cert.pem and --ssl-keyfile .*cert.pem do "
+                                         r"not load as a PEM certificate chain and its private key \(.*PEM lib"):
+        cli.main(["serve", "--port", "0", "--ssl-certfile", str(tmp_path / "cert.pem"),
+                  "--ssl-keyfile", str(tmp_path / "cert.pem")])
+    assert cli.main(["keys", "create", "--name", "first", "--data-dir", str(tmp_path / "new")]) is None  # made
