@@ -1,6 +1,6 @@
 """The ``trio`` command: one parser over the subcommands of the three packages.
 
-    trio serve | keys create|list|revoke|budget | tokenizers install   trio_server.cli: run, administer
+    trio serve | keys create|list|revoke|rotate|budget | tokenizers install   trio_server.cli
     trio runs list | checkpoints list|download|delete | usage          pytrio.cli: a client (no torch)
     trio export PATH OUT [--merge]                      here: pytrio fetches, trio_engine converts
 

@@ -1,4 +1,5 @@
-"""The service's ``trio`` commands: ``trio serve``, ``trio keys create|list|revoke|budget``, ``trio tokenizers install``.
+"""The service's ``trio`` commands: ``trio serve``, ``trio keys create|list|revoke|rotate|budget``,
+``trio tokenizers install``.
 
 They live in the service package, not the SDK: they start or administer the server, and
 the SDK never imports the server (only ``pytrio.transport.local`` does, to run it
@@ -282,6 +283,18 @@ def keys_revoke(args: argparse.Namespace) -> None:
     print(f"revoked key {key['id']} ({key['name']!r})")
 
 
+def keys_rotate(args: argparse.Namespace) -> None:
+    """A new key for the user of a leaked or old one, which is revoked at once: the user's
+    runs, checkpoints, usage and budget carry over (a revoke and a create would start a
+    new user with none of them)."""
+    try:
+        key, old = _store(args).rotate_api_key(args.key)
+    except KeyError as exc:
+        sys.exit(f"trio keys rotate: {exc.args[0]}")
+    print(key)
+    print(f"# key {old['id']} ({old['name']!r}) revoked; the new key above is shown only this once", file=sys.stderr)
+
+
 def keys_budget(args: argparse.Namespace) -> None:
     """Set (or with ``none`` lift) a key's token budget; a running server applies it from
     the key's next submit."""
@@ -463,6 +476,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     k.add_argument("key", help="the key's id (from trio keys list) or its name")
     _database_options(k)
     k.set_defaults(func=keys_revoke)
+    k = keys.add_parser("rotate", help="replace an API key: a new key for the same user (runs, checkpoints, "
+                                       "usage, budget), the old one revoked at once")
+    k.add_argument("key", help="the key's id (from trio keys list) or its name")
+    _database_options(k)
+    k.set_defaults(func=keys_rotate)
     k = keys.add_parser("budget", help="set a key's token budget (trained + prefilled + sampled); "
                                        "a running server applies it at the key's next submit")
     k.add_argument("key", help="the key's id (from trio keys list) or its name")

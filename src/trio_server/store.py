@@ -276,7 +276,9 @@ class Store:
             KeyError: no key, or several, match (the message says which).
         """
         keys = self.list_api_keys()
-        found = [k for k in keys if k["id"] == id_or_name] or [k for k in keys if k["name"] == id_or_name]
+        named = [k for k in keys if k["name"] == id_or_name]
+        found = ([k for k in keys if k["id"] == id_or_name] or [k for k in named if not k["revoked_at"]]
+                 or named)  # a name rotated keeps one key in use: that one
         if len(found) != 1:
             ids = ", ".join(k["id"] for k in found)
             raise KeyError(f"key {id_or_name!r}: " + (f"matches {len(found)} keys ({ids}); {action} by id"
@@ -288,6 +290,22 @@ class Store:
         key = self.find_api_key(id_or_name)
         self._update_key(key, revoked_at=key["revoked_at"] or now())
         return key
+
+    def rotate_api_key(self, id_or_name: str) -> tuple[str, dict]:
+        """(a new key, the key it replaces): the new one for the same user, name and budget,
+        the old one revoked in the same transaction. A leaked key is replaced without
+        orphaning its user's runs, checkpoints and usage (KeyError: see find_api_key)."""
+        old = self.find_api_key(id_or_name, action="rotate")
+        key = "trio-" + secrets.token_urlsafe(32)
+
+        def replace(c: Any) -> None:
+            c.execute(api_keys.insert().values(key_hash=hash_key(key), user_id=old["user_id"], name=old["name"],
+                                               created_at=now(), budget_tokens=old["budget_tokens"]))
+            c.execute(api_keys.update().where(api_keys.c.key_hash.startswith(old["id"]))
+                      .values(revoked_at=old["revoked_at"] or now()))
+
+        self._transaction(replace)
+        return key, old
 
     def set_budget(self, id_or_name: str, budget_tokens: int | None) -> dict:
         """Set a key's token budget (None: unlimited); returns the key as it was.
@@ -305,13 +323,15 @@ class Store:
         self._transaction(lambda c: c.execute(query))
 
     def revoked(self, user_id: str) -> bool:
-        """Whether this user's key is revoked (False for a user with no key: --no-auth)."""
+        """Whether every key of this user is revoked (False for a user with no key: --no-auth)."""
         query = sa.select(api_keys.c.revoked_at).where(api_keys.c.user_id == user_id)
-        return self._transaction(lambda c: c.execute(query).scalar()) is not None
+        revoked = self._transaction(lambda c: [row.revoked_at is not None for row in c.execute(query)])
+        return bool(revoked) and all(revoked)
 
     def budget_of(self, user_id: str) -> int | None:
         """The token budget of this user's key (None: no key, as with --no-auth, or no limit)."""
-        query = sa.select(api_keys.c.budget_tokens).where(api_keys.c.user_id == user_id)
+        query = sa.select(api_keys.c.budget_tokens).where(api_keys.c.user_id == user_id,
+                                                           api_keys.c.revoked_at.is_(None))  # the key in use
         return self._transaction(lambda c: c.execute(query).scalar())
 
     # -- usage ------------------------------------------------------------------------

@@ -104,6 +104,35 @@ def test_a_revoked_keys_queued_requests_do_not_run(server, monkeypatch):
     assert server.core.store.usage_total(user) == 5  # the one call that ran: 5 tokens trained
 
 
+def test_a_rotated_key_keeps_its_users_runs_usage_and_budget(server):
+    """A leaked key could only be revoked and a new one made: a new user, without the old
+    one's runs, checkpoints or usage (the budget started again at 0 used)."""
+    import pytrio as trio
+
+    old = trio_cli("keys", "create", "--name", "to-rotate", "--budget-tokens", "100000",
+                   "--data-dir", str(server.data_dir)).stdout.strip()
+    tc = trio.ServiceClient(base_url=server.url, api_key=old).create_lora_training_client(
+        base_model="trio/tiny-llama", rank=2)
+    datum = trio.Datum(model_input=trio.ModelInput.from_ints([1, 17, 300, 42]),
+                       loss_fn_inputs={"target_tokens": [17, 300, 42, 9]})
+    tc.forward_backward([datum]).result()
+    used = server.core.store.usage_total(server.core.store.user_for_key(old))
+    rotated = trio_cli("keys", "rotate", "to-rotate", "--data-dir", str(server.data_dir))
+    assert rotated.returncode == 0 and "revoked" in rotated.stderr, rotated.stderr
+    new = rotated.stdout.strip()
+    assert new.startswith("trio-") and new != old
+    assert get_runs(server, old).status_code == 401
+    assert [r["run_id"] for r in get_runs(server, new).json()] == [tc.model_id]
+    user = server.core.store.user_for_key(new)
+    assert server.core.store.usage_total(user) == used > 0 and server.core.store.budget_of(user) == 100000
+    assert not server.core.store.revoked(user)  # its queued work runs (the old key's name is revoked)
+    assert trio_cli("keys", "budget", "to-rotate", "200000", "--data-dir", str(server.data_dir)).returncode == 0
+    assert server.core.store.budget_of(user) == 200000  # the name names the key in use
+    rows = [ln for ln in trio_cli("keys", "list", "--data-dir", str(server.data_dir)).stdout.splitlines()
+            if "to-rotate" in ln]
+    assert len(rows) == 2 and sorted(row.split()[-1] == "-" for row in rows) == [False, True]
+
+
 def test_revoke_by_name_and_unknown_or_ambiguous_names(server):
     key = server.core.store.create_api_key("by-name")
     assert trio_cli("keys", "revoke", "by-name", "--data-dir", str(server.data_dir)).returncode == 0
