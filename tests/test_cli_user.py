@@ -242,6 +242,38 @@ def test_download_dest_a_new_folder_by_its_slash_or_a_file_in_a_missing_folder(w
     assert code == 1 and err.startswith("trio: error:") and "absent" in err and "does not exist" in err
 
 
+def test_download_failures_say_what_to_do_in_a_line(world, capsys, tmp_path, monkeypatch):
+    """A destination that cannot be written gave a traceback; a server that is not there
+    was an 'interrupted' download to resume, though nothing had started; a URL that is not
+    a TRIO server's printed its HTML page."""
+    import errno
+
+    import httpx
+
+    _, _, state, _ = world.runs[(TIED, True)]
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trio.RestClient, "download_checkpoint_archive", disk_full)
+        code, _, err = trio_cli(capsys, "checkpoints", "download", state, str(tmp_path), *world.alice)
+    assert code == 1 and err.count("\n") == 1
+    assert f"cannot write the archive to {tmp_path}: No space left on device" in err and "resume" in err
+    code, _, err = trio_cli(capsys, "checkpoints", "download", state, str(tmp_path), "--quiet",
+                            "--base-url", "http://127.0.0.1:1", "--api-key", world.alice_key)
+    assert code == 1 and "cannot reach the service to download" in err and "interrupted" not in err
+
+    def a_web_page(request):
+        return httpx.Response(404, text="<!DOCTYPE HTML><html><body>Not Found</body></html>")
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(a_web_page), **kw))
+    code, _, err = trio_cli(capsys, "runs", "list", "--base-url", "http://elsewhere.test", "--api-key", "k")
+    assert code == 1 and "404 Not Found from http://elsewhere.test" in err and "an HTML page, not a TRIO reply" in err
+    assert "DOCTYPE" not in err
+
+
 def test_delete(world, capsys):
     tc = world.service.create_lora_training_client(base_model=TINY, rank=2)
     path = tc.save_weights_for_sampler("to-delete").result().path
@@ -530,6 +562,13 @@ def test_bundled_smollm2_with_tied_embeddings(embedded_home, capsys):
         assert min(greedy_gaps(merged, prompt, ours)) > 1e-4
         differs += greedy_trio(base_sampler, prompt, 8) != ours
     assert differs > 0
+
+
+def test_a_key_in_the_environment_without_a_url_is_said_to_meet_the_embedded_service(embedded_home, capsys,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("PYTRIO_API_KEY", "trio-for-a-server")
+    code, _, err = trio_cli(capsys, "runs", "list")
+    assert code == 0 and "PYTRIO_API_KEY is set but no --base-url or PYTRIO_BASE_URL: this is the embedded" in err
 
 
 def test_no_url_and_no_embedded_service_says_what_is_missing(embedded_home, capsys, monkeypatch):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import sys
 import tarfile
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -74,6 +75,9 @@ def connect(args: argparse.Namespace) -> RestClient:
     if args.api_key:
         raise CommandError("--api-key given but no service to send it to: "
                            "add --base-url URL or set PYTRIO_BASE_URL")
+    if os.environ.get("PYTRIO_API_KEY"):  # set for a server, likely: say which service this is
+        print("trio: note: PYTRIO_API_KEY is set but no --base-url or PYTRIO_BASE_URL: this is the embedded "
+              "service", file=sys.stderr)
     try:
         return ServiceClient().create_rest_client()
     except ImportError as exc:
@@ -142,6 +146,9 @@ def checkpoints_download(args: argparse.Namespace) -> None:
         target = connect(args).download_checkpoint_archive(args.path, args.dest, progress=not args.quiet)
     except NotFoundError as exc:
         raise _not_yours(exc, args) from None
+    except OSError as exc:  # the destination: read-only, full, not a folder
+        raise CommandError(f"cannot write the archive to {args.dest}: {exc.strerror or exc} (what was received "
+                           "is kept as a .part file: run again to resume)") from None
     print(target)
 
 

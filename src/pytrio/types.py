@@ -722,9 +722,12 @@ class ComputeLogprobsRequest(_Model):
     prompt: ModelInput
 
 
+MAX_POLL_SECONDS = 30.0  # the longest a retrieve waits for an outcome (a long poll)
+
+
 class RetrieveFutureRequest(_Model):
     request_id: str
-    timeout: float = Field(default=30.0, ge=0, le=30.0)
+    timeout: float = Field(default=MAX_POLL_SECONDS, ge=0, le=MAX_POLL_SECONDS)
 
 
 class ErrorInfo(_Model):

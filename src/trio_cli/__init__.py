@@ -87,3 +87,5 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C: no traceback (an interrupted download resumes when run again)
         print("trio: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    except BrokenPipeError:
+        server_cli.reader_gone()

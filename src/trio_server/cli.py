@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -22,7 +23,7 @@ import re
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _ENGINES = ("local", "ray")
@@ -32,7 +33,8 @@ _LIMIT_FLAGS = ("seq_gap_seconds", "max_runs_per_user", "max_checkpoint_bytes_pe
 
 
 def _data_dir(value: str | None) -> Path:
-    return Path(value or os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio")
+    # expanded here too: a shell leaves --data-dir=~/x as it is
+    return Path(value or os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio").expanduser()
 
 
 def device(value: str) -> str:
@@ -122,6 +124,21 @@ def fix_mmap_threshold() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
+def _say_where_models_go(log: logging.Logger) -> None:
+    """Name the folder models are converted into ($TRIO_HOME/models, whatever --data-dir
+    says), and warn now if it cannot be written: a model not converted there yet would
+    fail every user's first request (one that is, a read-only image's, still loads)."""
+    from trio_engine.catalog import trio_home
+
+    models = trio_home() / "models"
+    existing = next((p for p in (models, *models.parents) if p.exists()), models)
+    if not os.access(existing, os.W_OK):
+        log.warning("models are converted into %s, which cannot be written: only models converted there "
+                    "already will load (set $TRIO_HOME to a writable folder)", models)
+    else:
+        log.info("models are converted into %s ($TRIO_HOME/models)", models)
+
+
 def _check_tls(certfile: str, keyfile: str) -> None:
     """Load the certificate and key now: uvicorn would fail on them only after the service
     had started and said it listens, with a traceback that names neither file."""
@@ -147,11 +164,25 @@ def limits_from(args: argparse.Namespace) -> Any:
     return limits
 
 
+def _needs_server_install(command: str) -> None:
+    """A one-line error on a client-only install (pip install trio-platform, without [server])."""
+    try:
+        import trio_engine  # noqa: F401 (torch, transformers: what a client-only install lacks)
+    except ImportError as exc:
+        sys.exit(f"trio {command} needs the service's dependencies, not installed here ({exc}): "
+                 "pip install 'trio-platform[server]'")
+
+
 def serve(args: argparse.Namespace) -> None:
+    _needs_server_install("serve")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):  # before the slow imports
         sys.exit("trio serve: --ssl-certfile and --ssl-keyfile go together (got only one)")
     if args.ssl_certfile:
         _check_tls(args.ssl_certfile, args.ssl_keyfile)
+    ray_flags = [flag for flag, given in (("--ray-address", args.ray_address), ("--ray-place", args.ray_place),
+                                          ("--ray-gpus-per-model", args.ray_gpus_per_model != 1.0)) if given]
+    if ray_flags and args.engine != "ray":
+        sys.exit(f"trio serve: {', '.join(ray_flags)} need --engine ray (the engine is {args.engine})")
     from trio_engine import Catalog
     from trio_engine.device import KEEP_FREED_ENV, kept_freed_bytes
 
@@ -169,6 +200,8 @@ def serve(args: argparse.Namespace) -> None:
     fix_mmap_threshold()  # before the model and the first requests allocate
     import sqlalchemy as sa
     import uvicorn
+
+    from pytrio.types import MAX_POLL_SECONDS
 
     from .app import create_app
     from .core import ServiceCore
@@ -199,6 +232,7 @@ def serve(args: argparse.Namespace) -> None:
         sys.exit(f"trio serve: cannot open {where}: {database_error(exc)}")
     log.info("data dir %s, database %s, engine %s", core.data_dir,
              core.store.engine.url.render_as_string(hide_password=True), args.engine)
+    _say_where_models_go(log)
     host, port = sock.getsockname()[:2]
     if args.no_auth:
         log.warning("=" * 72)
@@ -215,8 +249,9 @@ def serve(args: argparse.Namespace) -> None:
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             # Here, not at exit: after a SIGTERM uvicorn raises the signal again once it has
             # shut down, and the process dies of it without running atexit hooks.
+            log.info("stopping: open connections end first (a long poll within %.0f s)", MAX_POLL_SECONDS)
             await super().shutdown(sockets)
-            log.info("stopping: the running batches finish, queued requests fail with the restart error")
+            log.info("stopping: the running batch finishes, queued requests fail with the restart error")
             await asyncio.to_thread(core.close)
 
     Server(config).run(sockets=[sock])
@@ -338,6 +373,8 @@ def dtype(value: str) -> str:
 
 
 def keys_create(args: argparse.Namespace) -> None:
+    if not args.name.strip():
+        sys.exit("trio keys create: --name must not be empty (it is how keys list, revoke and rotate find a key)")
     key = _store(args, create=True).create_api_key(args.name, args.budget_tokens)
     print(key)
     print(f"# key {args.name!r} created; it is shown only this once. Use: export PYTRIO_API_KEY={key}", file=sys.stderr)
@@ -347,6 +384,7 @@ def keys_create(args: argparse.Namespace) -> None:
 def tokenizers_install(args: argparse.Namespace) -> None:
     """Write each catalog model's tokenizer into a Hugging Face hub cache, so that
     ``AutoTokenizer.from_pretrained(name)`` works offline (HF_HUB_OFFLINE=1) on a client."""
+    _needs_server_install("tokenizers install")
     from trio_engine import Catalog, ModelNotAvailableError
 
     cache = Path(args.cache_dir) if args.cache_dir else _hf_hub_cache()
@@ -357,6 +395,9 @@ def tokenizers_install(args: argparse.Namespace) -> None:
             folder = install_tokenizer(catalog, name, cache)
         except ModelNotAvailableError as exc:
             sys.exit(f"trio tokenizers install: {exc}")
+        except OSError as exc:  # the cache: read-only, full, a file
+            sys.exit(f"trio tokenizers install: cannot write {exc.filename or cache}: {exc.strerror or exc}; "
+                     "give a writable --cache-dir")
         print(f"{name}: {folder}")
 
 
@@ -503,9 +544,20 @@ def _database_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", help="the server's --db URL instead, e.g. postgresql://user@host/db")
 
 
+def reader_gone() -> NoReturn:
+    """``trio keys list | head`` once head has gone: the end, without a traceback (stdout
+    goes to /dev/null first, or Python's flush at exit would raise again)."""
+    with contextlib.suppress(OSError, ValueError):  # a stdout with no descriptor (captured)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(141)  # as a shell reports a death by SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except BrokenPipeError:
+        reader_gone()
 
 
 if __name__ == "__main__":

@@ -204,3 +204,46 @@ def test_database_and_data_dir_mistakes_are_one_line_errors(tmp_path):
         cli.main(["serve", "--port", "0", "--ssl-certfile", str(tmp_path / "cert.pem"),
                   "--ssl-keyfile", str(tmp_path / "cert.pem")])
     assert cli.main(["keys", "create", "--name", "first", "--data-dir", str(tmp_path / "new")]) is None  # made
+
+
+def test_ray_flags_without_the_ray_engine_and_an_empty_key_name_are_refused(tmp_path):
+    """--ray-* flags were ignored silently on the local engine; an empty name made a key
+    that list, revoke and rotate cannot name."""
+    from trio_server import cli
+
+    with pytest.raises(SystemExit, match=r"trio serve: --ray-address, --ray-gpus-per-model need --engine ray"):
+        cli.main(["serve", "--port", "0", "--data-dir", str(tmp_path), "--ray-address", "h:1",
+                  "--ray-gpus-per-model", "0.5"])
+    with pytest.raises(SystemExit, match="--name must not be empty"):
+        cli.main(["keys", "create", "--name", " ", "--data-dir", str(tmp_path)])
+
+
+def test_a_data_dir_given_as_tilde_is_the_home_folder(monkeypatch, tmp_path):
+    from trio_server import cli
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cli._data_dir("~/trio-data") == tmp_path / "trio-data"
+
+
+def test_a_broken_pipe_ends_the_command_quietly(tmp_path):
+    """`trio keys list | head -1` gave a BrokenPipeError traceback once head had gone."""
+    import subprocess
+    import sys
+
+    from trio_server.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'trio.db'}")
+    for k in range(3000):  # far past a pipe's buffer: the writes go on after head has gone
+        store.create_api_key(f"key-{k}")
+    for command in ("trio_cli", "trio_server.cli"):
+        done = subprocess.run(f"{sys.executable} -m {command} keys list --data-dir {tmp_path} | head -1",
+                              shell=True, capture_output=True, text=True, timeout=120)
+        assert done.stdout.startswith("ID") and done.stderr == "", (command, done.stderr[-500:])
+
+
+def test_a_cache_dir_that_cannot_be_written_is_a_one_line_error(tmp_path):
+    from trio_server import cli
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit, match=r"trio tokenizers install: cannot write .*afile.*give a writable --cache-dir"):
+        cli.main(["tokenizers", "install", "--cache-dir", str(tmp_path / "afile"), "trio/tiny-llama"])

@@ -142,6 +142,8 @@ class HttpTransport:
                         async for chunk in r.aiter_bytes():
                             f.write(chunk)
                             bar.update(len(chunk))
+        except httpx.ConnectError as exc:  # nothing started
+            raise TrioConnectionError(f"cannot reach the service to download {path} ({exc})") from exc
         except httpx.TransportError as exc:
             raise TrioConnectionError(f"download of {path} interrupted; call again to resume ({exc})") from exc
         partial.replace(target)
@@ -163,10 +165,19 @@ def _error(response: httpx.Response) -> TrioError:
         info = response.json()["error"]
         error = error_from_category(info["category"], info["message"], status=response.status_code)
         error.seq_unused = info.get("seq_unused") is True
-    except Exception:
-        error = error_from_status(response.status_code, response.text[:500] or response.reason_phrase)
+    except Exception:  # not TRIO's error body: a proxy's page, or no TRIO server at that URL
+        error = error_from_status(response.status_code, _foreign_reply(response))
     error.retry_after = _retry_after(response.headers.get("retry-after"))
     return error
+
+
+def _foreign_reply(response: httpx.Response) -> str:
+    """A line for an error reply that is not TRIO's: an HTML page is named, not dumped."""
+    text = response.text.strip()
+    if text[:15].lower().startswith(("<!doctype html", "<html")):
+        return (f"{response.status_code} {response.reason_phrase} from {response.request.url}: an HTML page, not a "
+                "TRIO reply (a proxy's, or no `trio serve` at this base URL)")
+    return text[:500] or response.reason_phrase
 
 
 def _retry_after(value: str | None) -> float | None:
