@@ -22,6 +22,7 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -44,11 +45,14 @@ def device(value: str) -> str:
     return value
 
 
-def engine(value: str) -> str:
-    """argparse type for ``--engine``; unlike ``choices=`` it also checks a default taken from $TRIO_ENGINE."""
-    if value not in _ENGINES:
-        raise argparse.ArgumentTypeError(f"invalid engine {value!r}: expected one of {', '.join(_ENGINES)}")
-    return value
+def one_of(what: str, values: tuple[str, ...]) -> Callable[[str], str]:
+    """An argparse type for a flag taking one of ``values``; unlike ``choices=`` it also
+    checks a default taken from the environment ($TRIO_ENGINE, $TRIO_DTYPE)."""
+    def checked(value: str) -> str:
+        if value not in values:
+            raise argparse.ArgumentTypeError(f"invalid {what} {value!r}: expected one of {', '.join(values)}")
+        return value
+    return checked
 
 
 def positive(value: str) -> int:
@@ -365,13 +369,6 @@ def seconds(value: str) -> float:
     return number
 
 
-def dtype(value: str) -> str:
-    """argparse type for ``--dtype``; unlike ``choices=`` it also checks a default taken from $TRIO_DTYPE."""
-    if value not in _DTYPES:
-        raise argparse.ArgumentTypeError(f"invalid dtype {value!r}: expected one of {', '.join(_DTYPES)}")
-    return value
-
-
 def keys_create(args: argparse.Namespace) -> None:
     if not args.name.strip():
         sys.exit("trio keys create: --name must not be empty (it is how keys list, revoke and rotate find a key)")
@@ -452,10 +449,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=port, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
     p.add_argument("--data-dir", help="checkpoints and database (default $TRIO_HOME or ~/.cache/trio)")
     p.add_argument("--db", help="SQLAlchemy URL, e.g. postgresql://user@host/db (default SQLite in the data dir)")
-    p.add_argument("--dtype", type=dtype, default=os.environ.get("TRIO_DTYPE") or None,
+    p.add_argument("--dtype", type=one_of("dtype", _DTYPES), default=os.environ.get("TRIO_DTYPE") or None,
                    help="the base models' dtype: float32 or bfloat16 (default $TRIO_DTYPE, else float32 on a "
                         "CPU and bfloat16 on a GPU that computes it)")
-    p.add_argument("--engine", type=engine, choices=_ENGINES, default=os.environ.get("TRIO_ENGINE") or "local",
+    p.add_argument("--engine", type=one_of("engine", _ENGINES), choices=_ENGINES,
+                   default=os.environ.get("TRIO_ENGINE") or "local",
                    help="where model hosts run: threads in this process, or Ray actors "
                         "(default $TRIO_ENGINE or local)")
     p.add_argument("--ray-address", metavar="ADDR", default=None,
