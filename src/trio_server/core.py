@@ -346,7 +346,7 @@ class ServiceCore:
                             user_id=user_id)
             base_model = self._route(item)
             self._check_budget(item)
-            self._worker(base_model)  # a model that cannot be served (no GPU room) is refused before anything is kept
+            self._check_servable(base_model)  # no GPU room: refused before anything is kept
         except ServiceError as exc:
             if (place := self._place_of_refused(user_id, body)) is None:
                 raise
@@ -631,6 +631,15 @@ class ServiceCore:
                                                       self.limits.max_pass_tokens, self.limits.max_resident_runs,
                                                       self.limits.slice_alone)
             return self.workers[base_model]
+
+    def _check_servable(self, base_model: str) -> None:
+        """Refuse a model not yet served whose host the Ray cluster has no GPU room for (its
+        host is made once the request is accepted: a refused one must hold none)."""
+        if self.engine_kind == "ray" and base_model not in self.workers:
+            from .ray_engine import check_gpu_room, wants_gpu
+
+            if wants_gpu(self.engine_settings.device):
+                check_gpu_room(base_model, self.ray_gpus_per_model, self.gpu_shares)
 
     def _new_engine(self, base_model: str) -> Engine:
         if self.engine_kind == "ray":

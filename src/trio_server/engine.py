@@ -133,7 +133,8 @@ class WeightsNotFoundError(FileNotFoundError):
 
 # CUDA errors after which a process's device context is unusable: every later call fails alike
 STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
-                      "uncorrectable ECC", "misaligned address", "illegal instruction", "hardware stack error")
+                      "uncorrectable ECC", "misaligned address", "illegal instruction", "hardware stack error",
+                      "launch timed out", "invalid program counter", "unknown error")
 
 
 def device_lost(exc: BaseException) -> bool:

@@ -299,6 +299,11 @@ class Store:
         key = "trio-" + secrets.token_urlsafe(32)
 
         def replace(c: Any) -> None:
+            in_use = c.execute(sa.select(api_keys.c.key_hash).where(
+                api_keys.c.user_id == old["user_id"], api_keys.c.revoked_at.is_(None))).scalars().all()
+            if any(not h.startswith(old["id"]) for h in in_use):  # one key in use per user
+                raise KeyError(f"key {id_or_name!r}: its user has another key in use "
+                               f"({next(h for h in in_use if not h.startswith(old['id']))[:KEY_ID_LEN]}): rotate that")
             c.execute(api_keys.insert().values(key_hash=hash_key(key), user_id=old["user_id"], name=old["name"],
                                                created_at=now(), budget_tokens=old["budget_tokens"]))
             c.execute(api_keys.update().where(api_keys.c.key_hash.startswith(old["id"]))
@@ -323,15 +328,17 @@ class Store:
         self._transaction(lambda c: c.execute(query))
 
     def revoked(self, user_id: str) -> bool:
-        """Whether every key of this user is revoked (False for a user with no key: --no-auth)."""
+        """Whether every key of this user is revoked (False for a user with no key: --no-auth).
+        Read once, never retried: the worker asks, and must not wait out a database outage."""
         query = sa.select(api_keys.c.revoked_at).where(api_keys.c.user_id == user_id)
-        revoked = self._transaction(lambda c: [row.revoked_at is not None for row in c.execute(query)])
+        revoked = self._transaction(lambda c: [row.revoked_at is not None for row in c.execute(query)], retry=False)
         return bool(revoked) and all(revoked)
 
     def budget_of(self, user_id: str) -> int | None:
         """The token budget of this user's key (None: no key, as with --no-auth, or no limit)."""
-        query = sa.select(api_keys.c.budget_tokens).where(api_keys.c.user_id == user_id,
-                                                           api_keys.c.revoked_at.is_(None))  # the key in use
+        query = (sa.select(api_keys.c.budget_tokens)
+                 .where(api_keys.c.user_id == user_id, api_keys.c.revoked_at.is_(None))  # the key in use
+                 .order_by(api_keys.c.created_at.desc()).limit(1))
         return self._transaction(lambda c: c.execute(query).scalar())
 
     # -- usage ------------------------------------------------------------------------
@@ -377,10 +384,11 @@ class Store:
         return insert(table)
 
     # -- transactions -------------------------------------------------------------------
-    def _transaction(self, work: Callable[[sa.Connection], T]) -> T:
+    def _transaction(self, work: Callable[[sa.Connection], T], retry: bool = True) -> T:
         """``work(connection)`` in one transaction, run again while the failure is a lost
-        connection and ``retry_seconds`` have not passed (see the module docstring)."""
-        deadline = time.monotonic() + self.retry_seconds
+        connection and ``retry_seconds`` have not passed (see the module docstring);
+        ``retry=False``: once (a read that may go without, on a thread that must not wait)."""
+        deadline = time.monotonic() + (self.retry_seconds if retry else 0.0)
         delay = 0.05
         while True:
             try:

@@ -145,7 +145,9 @@ def _to_keep(item: WorkItem, result: Result) -> bool:
 
 KEY_REVOKED = ServiceError("authentication", "this request's API key was revoked after the request was queued; "
                            "it did not run", 401)
-OUT_OF_MEMORY = ("OutOfMemoryError: ", "MemoryError: ")  # failure_from's messages start with the type
+# failure_from's messages start with the exception's type (what a user's input cannot write)
+OUT_OF_MEMORY = ("OutOfMemoryError: ", "MemoryError: ", "RuntimeError: CUDA error: out of memory",
+                 "AcceleratorError: CUDA error: out of memory", "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED")
 PASS_OPS = ("forward", "forward_backward")  # a failed pass changes nothing: it may run again
 
 

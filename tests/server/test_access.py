@@ -125,12 +125,19 @@ def test_a_rotated_key_keeps_its_users_runs_usage_and_budget(server):
     assert [r["run_id"] for r in get_runs(server, new).json()] == [tc.model_id]
     user = server.core.store.user_for_key(new)
     assert server.core.store.usage_total(user) == used > 0 and server.core.store.budget_of(user) == 100000
-    assert not server.core.store.revoked(user)  # its queued work runs (the old key's name is revoked)
+    assert not server.core.store.revoked(user)  # its user's queued work runs (the same user's)
     assert trio_cli("keys", "budget", "to-rotate", "200000", "--data-dir", str(server.data_dir)).returncode == 0
     assert server.core.store.budget_of(user) == 200000  # the name names the key in use
     rows = [ln for ln in trio_cli("keys", "list", "--data-dir", str(server.data_dir)).stdout.splitlines()
             if "to-rotate" in ln]
     assert len(rows) == 2 and sorted(row.split()[-1] == "-" for row in rows) == [False, True]
+    old_id = next(row.split()[0] for row in rows if row.split()[-1] != "-")
+    again = trio_cli("keys", "rotate", old_id, "--data-dir", str(server.data_dir))  # the revoked one: a 2nd live key
+    assert again.returncode == 1 and "its user has another key in use" in again.stderr
+    after_revoke = trio_cli("keys", "revoke", "to-rotate", "--data-dir", str(server.data_dir))
+    assert after_revoke.returncode == 0 and server.core.store.revoked(user)
+    assert trio_cli("keys", "rotate", old_id, "--data-dir", str(server.data_dir)).returncode == 0  # all revoked: ok
+    assert not server.core.store.revoked(user)
 
 
 def test_revoke_by_name_and_unknown_or_ambiguous_names(server):
