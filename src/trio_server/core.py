@@ -643,14 +643,12 @@ class ServiceCore:
 
     def _new_engine(self, base_model: str) -> Engine:
         if self.engine_kind == "ray":
-            from .ray_engine import RayEngine, check_gpu_room, wants_gpu
+            from .ray_engine import RayEngine, wants_gpu
 
-            gpu = wants_gpu(self.engine_settings.device)
-            if gpu:
-                check_gpu_room(base_model, self.ray_gpus_per_model, self.gpu_shares)
+            self._check_servable(base_model)
             engine = RayEngine(base_model, self.engine_settings, address=self.ray_address,
                                resource=self.ray_placement.get(base_model), gpus=self.ray_gpus_per_model)
-            if gpu:
+            if wants_gpu(self.engine_settings.device):
                 self.gpu_shares[base_model] = self.ray_gpus_per_model
             return engine
         return LocalEngine(base_model, self.engine_settings)

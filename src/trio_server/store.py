@@ -136,6 +136,16 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def _new_key() -> str:
+    return "trio-" + secrets.token_urlsafe(32)
+
+
+def _key_update(key: dict, **values: Any) -> Any:
+    """The UPDATE of one key's columns, the key found as ``Store.find_api_key`` returns it
+    (by its hash's id prefix)."""
+    return api_keys.update().where(api_keys.c.key_hash.startswith(key["id"])).values(**values)
+
+
 class Store:
     claim_check_seconds = 10.0  # how often ``claim``'s connection is checked
 
@@ -236,7 +246,7 @@ class Store:
     # -- api keys -------------------------------------------------------------------
     def create_api_key(self, name: str, budget_tokens: int | None = None) -> str:
         """A new key of a new user; ``budget_tokens``: see ``set_budget``."""
-        key = "trio-" + secrets.token_urlsafe(32)
+        key = _new_key()
         user_id = "user-" + secrets.token_hex(6)
         self.insert(api_keys, key_hash=hash_key(key), user_id=user_id, name=name, created_at=now(),
                     budget_tokens=budget_tokens)
@@ -296,18 +306,18 @@ class Store:
         the old one revoked in the same transaction. A leaked key is replaced without
         orphaning its user's runs, checkpoints and usage (KeyError: see find_api_key)."""
         old = self.find_api_key(id_or_name, action="rotate")
-        key = "trio-" + secrets.token_urlsafe(32)
+        key = _new_key()
 
         def replace(c: Any) -> None:
             in_use = c.execute(sa.select(api_keys.c.key_hash).where(
                 api_keys.c.user_id == old["user_id"], api_keys.c.revoked_at.is_(None))).scalars().all()
-            if any(not h.startswith(old["id"]) for h in in_use):  # one key in use per user
-                raise KeyError(f"key {id_or_name!r}: its user has another key in use "
-                               f"({next(h for h in in_use if not h.startswith(old['id']))[:KEY_ID_LEN]}): rotate that")
+            others = [h for h in in_use if not h.startswith(old["id"])]
+            if others:  # one key in use per user
+                raise KeyError(f"key {id_or_name!r}: its user has another key in use ({others[0][:KEY_ID_LEN]}): "
+                               "rotate that")
             c.execute(api_keys.insert().values(key_hash=hash_key(key), user_id=old["user_id"], name=old["name"],
                                                created_at=now(), budget_tokens=old["budget_tokens"]))
-            c.execute(api_keys.update().where(api_keys.c.key_hash.startswith(old["id"]))
-                      .values(revoked_at=old["revoked_at"] or now()))
+            c.execute(_key_update(old, revoked_at=old["revoked_at"] or now()))
 
         self._transaction(replace)
         return key, old
@@ -324,8 +334,7 @@ class Store:
 
     def _update_key(self, key: dict, **values: Any) -> None:
         """Set columns of one key, found as ``find_api_key`` returned it (by its hash's id prefix)."""
-        query = api_keys.update().where(api_keys.c.key_hash.startswith(key["id"])).values(**values)
-        self._transaction(lambda c: c.execute(query))
+        self._transaction(lambda c: c.execute(_key_update(key, **values)))
 
     def revoked(self, user_id: str) -> bool:
         """Whether every key of this user is revoked (False for a user with no key: --no-auth).

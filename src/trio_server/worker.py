@@ -307,7 +307,7 @@ class HostWorker:
             work = self._schedule()
             if work is None:
                 return
-            admit, batch = self._unrevoked(work[0]), self._unrevoked(work[1])
+            admit, batch = self._unrevoked(*work)
             if batch:
                 self._run_batch(batch)
             if admit or self.decoding:
@@ -316,18 +316,20 @@ class HostWorker:
                 self._skip_missing_seqs()
             self._offload_runs()
 
-    def _unrevoked(self, items: list[WorkItem]) -> list[WorkItem]:
-        """``items`` less those of users whose key was revoked since they were queued (a
-        stolen key's queue, say): those end here, unrun and counting nothing."""
-        revoked = {user for user in {item.user_id for item in items} if self._revoked(user)}
-        for item in (item for item in items if item.user_id in revoked):
+    def _unrevoked(self, admit: list[WorkItem], batch: list[WorkItem]) -> tuple[list[WorkItem], list[WorkItem]]:
+        """``admit`` and ``batch`` less the requests of users whose key was revoked since they
+        were queued (a stolen key's queue, say): those end here, unrun and counting nothing.
+        One read per user of the turn."""
+        revoked = {user for user in {item.user_id for item in admit + batch} if self._revoked(user)}
+        for item in (item for item in admit + batch if item.user_id in revoked):
             self._done(item)
             split = split_of(item)
             if split is None:
                 self.answers.answer(item, (None, KEY_REVOKED))
             else:
                 self._part_done(split, (None, KEY_REVOKED))
-        return [item for item in items if item.user_id not in revoked]
+        return ([item for item in admit if item.user_id not in revoked],
+                [item for item in batch if item.user_id not in revoked])
 
     def _revoked(self, user_id: str) -> bool:
         try:
