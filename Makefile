@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/tenants.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/logits_memory.py
+	$(BIN)/python benchmarks/logits_memory.py --model bundled --rows 4
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/snapshot.py
 	$(BIN)/python benchmarks/fairness.py

@@ -92,10 +92,12 @@ Policy = Callable[[ModelHost, list[SampleRequest], float], tuple[float, list[flo
 
 
 def measure(host: ModelHost, requests: list[SampleRequest], gap: float, repeats: int) -> dict[str, list]:
-    """Each policy ``repeats`` times, alternating, after one untimed warm-up of each."""
+    """Each policy ``repeats`` times, alternating, after one untimed warm-up of each on all
+    the requests (so that the batch sizes it meets have had their product forms decided:
+    ``lora.weight_major_pays``)."""
     policies: dict[str, Policy] = {"ours": continuous, "baseline": run_to_completion}
     for policy in policies.values():
-        policy(host, requests[:2], gap)
+        policy(host, requests, gap)
     runs: dict[str, list] = {name: [] for name in policies}
     for _ in range(repeats):
         for name, policy in policies.items():

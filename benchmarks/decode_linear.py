@@ -20,7 +20,7 @@ import argparse
 import logging
 
 import torch
-from common import bundled_folder, result, timed_pair
+from common import Timings, bundled_folder, result, timed_pair
 from transformers import AutoConfig
 
 from trio_engine import lora
@@ -36,8 +36,8 @@ def shapes() -> list[tuple[int, int]]:
             (config.intermediate_size, hidden), (hidden, config.intermediate_size), (config.vocab_size, hidden)]
 
 
-def compare(layers: list[torch.nn.Linear], rows: int, repeats: int) -> tuple[float, float]:
-    """Seconds per pass over ``layers`` on ``rows`` rows: (W x^T, the layer's own)."""
+def compare(layers: list[torch.nn.Linear], rows: int, repeats: int) -> Timings:
+    """Timings of a pass over ``layers`` on ``rows`` rows: W x^T ("ours"), the layer's own ("baseline")."""
     x = torch.randn(rows, layers[0].in_features)
     with torch.no_grad():
         return timed_pair(lambda: [lora.weight_major_product(x, layer.weight, None) for layer in layers],
@@ -54,8 +54,9 @@ def main() -> None:
         count = LAYERS if out_f * in_f < 10**7 else 2  # the head: two copies outgrow any cache
         layers = [torch.nn.Linear(in_f, out_f, bias=False) for _ in range(count)]
         for rows in map(int, args.rows.split(",")):
-            ours_s, base_s = compare(layers, rows, args.repeats)
-            result(f"decode_linear_{out_f}x{in_f}_rows{rows}", count / ours_s, count / base_s, unit=" (products/s)")
+            timings = compare(layers, rows, args.repeats)
+            result(f"decode_linear_{out_f}x{in_f}_rows{rows}", count / timings["ours"], count / timings["baseline"],
+                   " (products/s)", timings.spread())
         with torch.no_grad():
             bands = [band for band in lora.FEW_ROW_BANDS if lora.weight_major_pays(layers[0].weight, band)]
         print(f"FORM {out_f}x{in_f} engine_takes_weight_major_at_rows={','.join(map(str, bands)) or 'none'}",

@@ -103,11 +103,11 @@ def main() -> None:
         seqs = [[rng.randrange(host.vocab_size) for _ in range(LENGTH + 1)] for _ in range(ROWS)]
         ours, our_losses = ours_step(host, seqs)
         baseline, their_losses = peft_step(folder, seqs)
-        ours_s, base_s = timed_pair(ours, baseline, args.repeats)
+        timings = timed_pair(ours, baseline, args.repeats)
         print(f"first losses (B = 0, the base model's): ours {our_losses[0]:.6f}, peft {their_losses[0]:.6f}")
         tokens = ROWS * LENGTH
-        result(f"experts_train_step_{args.experts}x{args.per_token}", tokens / ours_s, tokens / base_s,
-               " (tokens/s, fp32, rank 16, 8 x 128)")
+        result(f"experts_train_step_{args.experts}x{args.per_token}", tokens / timings["ours"],
+               tokens / timings["baseline"], " (tokens/s, fp32, rank 16, 8 x 128)", timings.spread())
 
 
 if __name__ == "__main__":

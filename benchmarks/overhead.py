@@ -86,8 +86,8 @@ def workload(service: trio.ServiceClient) -> dict[str, Callable[[], object]]:
 def compare(name: str, ours: dict[str, Callable[[], object]], baseline: dict[str, Callable[[], object]],
             repeats: int) -> None:
     for kind, runs in (("train_step_8x128", repeats), ("sample", 3 * repeats), ("trivial_call", 20 * repeats)):
-        mine, theirs = timed_pair(ours[kind], baseline[kind], repeats=runs)
-        result(f"{name}_{kind}", 1 / mine, 1 / theirs, unit=" (per s)")
+        timings = timed_pair(ours[kind], baseline[kind], repeats=runs)
+        result(f"{name}_{kind}", 1 / timings["ours"], 1 / timings["baseline"], " (per s)", timings.spread())
 
 
 def burst(service: trio.ServiceClient, threads: int = 8, per_thread: int = 25) -> tuple[float, list[float], int]:

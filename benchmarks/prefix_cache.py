@@ -74,7 +74,8 @@ def main() -> None:
         base.append(tokens / spent)
     print(f"# {args.model} {args.dtype}: {TURNS} turns, {tokens} prompt tokens in all, {reused} reused from the cache")
     name = f"prefix_cache_prefill_context{args.context}" if args.context else "prefix_cache_prefill"
-    result(name, statistics.median(ours), statistics.median(base), unit=" (prompt tokens/s)")
+    ratios = [o / b for o, b in zip(ours, base, strict=True)]
+    result(name, statistics.median(ours), statistics.median(base), " (prompt tokens/s)", (min(ratios), max(ratios)))
 
 
 if __name__ == "__main__":

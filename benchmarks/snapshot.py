@@ -89,9 +89,10 @@ def main() -> None:
             if args.only and name != args.only:
                 continue
             data = dense_batch(rows, tokens)
-            ours, base = timed_pair(block(with_tcs[:users], data, engine.flush),
-                                    block(without_tcs[:users], data, lambda: None), repeats=args.repeats)
-            result(name, users * args.block / ours, users * args.block / base, unit=" (steps/s)")
+            timings = timed_pair(block(with_tcs[:users], data, engine.flush),
+                                 block(without_tcs[:users], data, lambda: None), repeats=args.repeats)
+            steps = users * args.block
+            result(name, steps / timings["ours"], steps / timings["baseline"], " (steps/s)", timings.spread())
 
         with_tc = with_tcs[0]
         path = snapshot_path(with_core.engine_settings.snapshot_dir, with_tc.model_id)

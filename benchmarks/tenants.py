@@ -82,7 +82,8 @@ def main() -> None:
         "single": train_steps(host, [names[0]] * RESIDENT, data),
     }, args.repeats)
     tokens = RESIDENT * ROWS * LENGTH
-    result("tenants_32_resident", tokens / medians["in_turn"], tokens / medians["single"], unit=" (tokens/s)")
+    result("tenants_32_resident", tokens / medians["in_turn"], tokens / medians["single"], " (tokens/s)",
+           medians.spread("in_turn", "single"))
 
     jobs = [ForwardJob(name, data[name]) for name in names[:COBATCHED]]
     medians = timed_interleaved({
@@ -90,7 +91,8 @@ def main() -> None:
         "apart": forward_backward_calls(host, jobs, together=False),
     }, args.repeats)
     tokens = COBATCHED * ROWS * LENGTH
-    result("tenants_4_cobatched", tokens / medians["together"], tokens / medians["apart"], unit=" (tokens/s)")
+    result("tenants_4_cobatched", tokens / medians["together"], tokens / medians["apart"], " (tokens/s)",
+           medians.spread("together", "apart"))
 
 
 if __name__ == "__main__":
