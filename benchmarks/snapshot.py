@@ -91,8 +91,8 @@ def main() -> None:
             data = dense_batch(rows, tokens)
             timings = timed_pair(block(with_tcs[:users], data, engine.flush),
                                  block(without_tcs[:users], data, lambda: None), repeats=args.repeats)
-            steps = users * args.block
-            result(name, steps / timings["ours"], steps / timings["baseline"], " (steps/s)", timings.spread())
+            made = users * args.block
+            result(name, made / timings["ours"], made / timings["baseline"], " (steps/s)", timings.spread())
 
         with_tc = with_tcs[0]
         path = snapshot_path(with_core.engine_settings.snapshot_dir, with_tc.model_id)

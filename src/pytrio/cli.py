@@ -39,7 +39,7 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import NotFoundError
+from .errors import NotFoundError, TrioError
 from .rest import RestClient
 from .service import ServiceClient
 
@@ -146,6 +146,8 @@ def checkpoints_download(args: argparse.Namespace) -> None:
         target = connect(args).download_checkpoint_archive(args.path, args.dest, progress=not args.quiet)
     except NotFoundError as exc:
         raise _not_yours(exc, args) from None
+    except TrioError:  # the service's (a TimeoutError is an OSError too): not the destination's
+        raise
     except OSError as exc:  # the destination: read-only, full, not a folder
         raise CommandError(f"cannot write the archive to {args.dest}: {exc.strerror or exc} (what was received "
                            "is kept as a .part file: run again to resume)") from None

@@ -16,6 +16,7 @@ raises ``ValidationError`` at call time, before anything is sent.
 
 from __future__ import annotations
 
+import builtins
 import copy
 from typing import Any, TypeVar
 
@@ -75,7 +76,9 @@ class ConnectionError(TrioError):  # noqa: A001 - the SDK's own, distinct from t
     category = "connection"
 
 
-class TimeoutError(TrioError):  # noqa: A001
+class TimeoutError(TrioError, builtins.TimeoutError):  # noqa: A001
+    """No answer in time: ``except TimeoutError`` (the builtin) catches it too."""
+
     category = "timeout"
 
 

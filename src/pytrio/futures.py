@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import inspect
+import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, TypeVar
@@ -46,6 +48,38 @@ def background_loop() -> _LoopThread:
         return _loop
 
 
+# Users' own functions (a custom loss_fn) run in threads of their own. They may block on
+# the SDK, whose own blocking work (loading a tokenizer) runs on the loop's default
+# executor: sharing that bounded pool (cores + 4 threads) deadlocked once that many
+# losses waited on it at once.
+_user_threads: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+async def in_user_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread kept for user code (its context copied, as
+    ``asyncio.to_thread`` does)."""
+    global _user_threads
+    with _loop_lock:
+        if _user_threads is None:
+            _user_threads = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="pytrio-user")
+        pool = _user_threads
+    call = functools.partial(contextvars.copy_context().run, fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(pool, call)
+
+
+def _forget_threads_after_fork() -> None:
+    """In a forked child only the forking thread lives on: the loop's thread and the
+    pool's are gone, and work queued to them waited for ever. The child starts its own on
+    first use. (Clients must be made in the child: one made before the fork holds
+    connections of the parent's loop.)"""
+    global _loop, _loop_lock, _user_threads
+    _loop, _loop_lock, _user_threads = None, threading.Lock(), None
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_threads_after_fork)
+
+
 class APIFuture(Generic[T]):
     """The result of an operation that is still running on the service.
 
@@ -61,7 +95,9 @@ class APIFuture(Generic[T]):
         """Block until done; raises the operation's TrioError, or TimeoutError."""
         try:
             return self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
+        except concurrent.futures.TimeoutError:  # the builtin one, as pytrio's own TimeoutError is
+            if self._future.done():  # the operation's own error, not this wait's
+                raise
             raise TrioTimeoutError(f"no result within {timeout} s") from None
 
     def done(self) -> bool:
@@ -139,9 +175,36 @@ def async_twin(sync_fn: Callable[..., APIFuture[T]]) -> Callable[..., Coroutine[
         return awaitable
 
     method.__name__ = sync_fn.__name__ + "_async"
+    method.calls_at_once = True  # type: ignore[attr-defined]
     if hasattr(inspect, "markcoroutinefunction"):  # Python >= 3.12: inspect calls it a coroutine function
         inspect.markcoroutinefunction(method)
     return method
+
+
+def begun_at_call(body: Callable[..., Awaitable[T]]) -> Callable[..., Coroutine[Any, Any, T]]:
+    """An ``_async`` method returning a value whose request must take its place in the
+    client's order at the call, as ``async_twin``'s do: ``body`` (a plain function
+    returning an awaitable) runs at the call, and the coroutine returned awaits its value.
+    (An ``async def`` took its place at its first ``await``:
+    ``gather(tc.get_info_async(), tc.optim_step_async())`` counted the step.) An error from
+    the call is raised at the ``await``, as from an ``async def``."""
+
+    @functools.wraps(body)
+    def method(self, *args, **kwargs):
+        try:
+            awaitable = body(self, *args, **kwargs)
+        except Exception as exc:
+            return _raise(exc)
+        return _awaited(awaitable)
+
+    method.calls_at_once = True  # type: ignore[attr-defined]
+    if hasattr(inspect, "markcoroutinefunction"):  # Python >= 3.12
+        inspect.markcoroutinefunction(method)
+    return method
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
 
 
 async def _ready(value: T) -> T:

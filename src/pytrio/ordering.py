@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 
 
@@ -69,12 +70,15 @@ class Ticket:
         self.released: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     async def turn(self) -> None:
-        """Wait until every earlier call was sent (or gave up its place)."""
+        """Wait until every earlier call was sent (or gave up its place).
+
+        Shielded: a cancelled wait leaves the earlier ticket's ``released`` as it was
+        (``wrap_future`` alone cancelled it, and every later call overtook the earlier ones)."""
         if self._previous is None or self._previous.done():
             return
         self._order.waiting += 1
         try:
-            await asyncio.wrap_future(self._previous)
+            await asyncio.shield(asyncio.wrap_future(self._previous))
         finally:
             self._order.waiting -= 1
 
@@ -89,6 +93,14 @@ class Ticket:
         self._order._next_number -= 1
 
     def release(self) -> None:
-        """Let the next call go; safe to call more than once."""
-        if not self.released.done():
+        """Let the next call go once every earlier one has; safe to call more than once.
+        A ticket given up before its turn came (its wait cancelled) passes its place on
+        only when the calls before it have gone, so none is overtaken."""
+        if self._previous is not None and not self._previous.done():
+            self._previous.add_done_callback(lambda _: self._set_released())
+        else:
+            self._set_released()
+
+    def _set_released(self) -> None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # released already
             self.released.set_result(None)

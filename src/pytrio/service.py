@@ -96,6 +96,27 @@ class ServiceClient:
         """Runs and checkpoints: list, inspect, delete, download."""
         return RestClient(self._session)
 
+    async def close_async(self) -> None:
+        """Close this client's connections now rather than when it is collected (each left
+        open warned ``ResourceWarning: unclosed transport`` then). The clients made from it
+        share them: a later call of any of them opens new ones. Runs and samplers on the
+        service are not touched. Also ``with ServiceClient(...) as service:``."""
+        await on_background(self._session.transport.close())
+
+    close = sync_twin(close_async)
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> ServiceClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close_async()
+
 
 def _default_transport(base_url: str | None, api_key: str | None, timeout: float) -> Transport:
     if base_url:

@@ -8,21 +8,30 @@ a submit retried through a restart) can let a later call run before an earlier o
 
 from __future__ import annotations
 
-import asyncio
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from . import types as t
 from .errors import TrioError, ValidationError, validated
-from .futures import APIFuture, async_twin, on_background, run_sync, schedule, sync_twin
+from .futures import (
+    APIFuture,
+    async_twin,
+    begun_at_call,
+    in_user_thread,
+    on_background,
+    run_sync,
+    schedule,
+    sync_twin,
+)
 from .ordering import SubmitOrder, Ticket
 from .sampling import SamplingClient, new_sampling_client
 from .session import Session
 
 CustomLossFn = Callable[[list[t.Datum], list[Any]], tuple[Any, dict[str, float]]]
 LossFn = str | CustomLossFn
+R = TypeVar("R")
 
 
 class TrainingClient:
@@ -141,7 +150,7 @@ class TrainingClient:
                       forward_ticket: Ticket, backward_ticket: Ticket) -> t.ForwardBackwardOutput:
         try:
             out = await self._ordered("forward", forward, t.ForwardBackwardOutput, forward_ticket)
-            weighted, loss, metrics = await asyncio.to_thread(self._gradients, data, loss_fn, out)
+            weighted, loss, metrics = await in_user_thread(self._gradients, data, loss_fn, out)
             recorded = {name: v for name, v in {"loss:sum": loss, **metrics}.items() if math.isfinite(v)}
             backward = validated(t.ForwardRequest, model_id=self.model_id, seq=0, data=weighted, loss_fn="cross_entropy",
                                  custom_metrics=recorded)
@@ -253,19 +262,24 @@ class TrainingClient:
         return schedule(self._log_metrics(request, ticket))
 
     async def _log_metrics(self, request: t.LogMetricsRequest, ticket: Ticket | None) -> t.LogMetricsResponse:
-        if ticket is not None:  # the current step: once the calls made before this one have run
-            await self._after_earlier_calls(ticket)
-        return await on_background(self._session.transport.log_metrics(self.model_id, request))
+        def send() -> Awaitable[t.LogMetricsResponse]:
+            return on_background(self._session.transport.log_metrics(self.model_id, request))
 
-    async def _after_earlier_calls(self, ticket: Ticket) -> None:
-        """Return once every call made before ``ticket`` was taken has run (or failed)."""
+        if ticket is None:
+            return await send()
+        return await self._after_earlier_calls(ticket, send)  # the current step
+
+    async def _after_earlier_calls(self, ticket: Ticket, request: Callable[[], Awaitable[R]]) -> R:
+        """``request()`` once every call made before ``ticket`` was taken has run (or
+        failed), its place held until it is answered: a later call (an ``optim_step``)
+        sent meanwhile could reach the run first and be counted."""
         try:
             await ticket.turn()
-            last = self._last_sent
+            if self._last_sent is not None:  # the run executes in order: the newest call finishing is all of them
+                await self._session.settled(self._last_sent)
+            return await request()
         finally:
-            ticket.release()  # takes no number: the next call goes at once
-        if last is not None:  # the run executes in order: the newest call finishing is all of them
-            await self._session.settled(last)
+            ticket.release()  # takes no number
 
     forward_async = async_twin(forward)
     forward_backward_async = async_twin(forward_backward)
@@ -294,11 +308,13 @@ class TrainingClient:
         """
         return run_sync(self._sampling_client_on(self._save_for_sampler(name, overwrite)))
 
-    async def save_weights_and_get_sampling_client_async(
+    @begun_at_call
+    def save_weights_and_get_sampling_client_async(
         self, name: str | None = None, overwrite: bool = False
-    ) -> SamplingClient:
-        """``save_weights_and_get_sampling_client``, awaited."""
-        return await self._sampling_client_on(self._save_for_sampler(name, overwrite))
+    ) -> Awaitable[SamplingClient]:
+        """``save_weights_and_get_sampling_client``, awaited; the save takes its place in
+        the order at the call."""
+        return self._sampling_client_on(self._save_for_sampler(name, overwrite))
 
     def _save_for_sampler(self, name: str | None, overwrite: bool) -> APIFuture:
         """The save, its place in the order taken now, in the caller's thread (inside a
@@ -313,16 +329,22 @@ class TrainingClient:
 
     def get_info(self) -> t.GetInfoResponse:
         """The run's info once every call made before this one on this client has run:
-        ``.step`` counts the ``optim_step`` calls made before it, awaited or not."""
-        return run_sync(self._get_info(self._take("get_info")[0]))  # its place taken in the caller's thread
+        ``.step`` counts the ``optim_step`` calls made before it, awaited or not, and no
+        call made after it (those are sent once it is answered)."""
+        return self._get_info().result()
 
-    async def get_info_async(self) -> t.GetInfoResponse:
-        """``get_info``, awaited."""
-        return await self._get_info(self._take("get_info")[0])
+    @begun_at_call
+    def get_info_async(self) -> Awaitable[t.GetInfoResponse]:
+        """``get_info``, awaited; its place in the order is taken at the call."""
+        return self._get_info()
 
-    async def _get_info(self, ticket: Ticket) -> t.GetInfoResponse:
-        await self._after_earlier_calls(ticket)
-        return await self._session.call("get_info", t.GetInfoRequest(model_id=self.model_id), t.GetInfoResponse)
+    def _get_info(self) -> APIFuture[t.GetInfoResponse]:
+        """Its place taken in the caller's thread; its wait on the SDK's loop, where no
+        cancelled ``await`` can end it early."""
+        request = t.GetInfoRequest(model_id=self.model_id)
+        ticket = self._take("get_info")[0]
+        return schedule(self._after_earlier_calls(
+            ticket, lambda: self._session.call("get_info", request, t.GetInfoResponse)))
 
     async def get_tokenizer_async(self) -> Any:
         return await self._session.tokenizer(self.base_model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +21,7 @@ import pytrio as trio
 from pytrio import session as session_mod
 from pytrio import types as t
 from pytrio.futures import background_loop
+from pytrio.ordering import SubmitOrder
 from pytrio.session import Session
 
 from ..polling import wait_until
@@ -37,6 +39,9 @@ def result_for(op: str, body: dict[str, Any]) -> dict[str, Any]:
         return {"loss_fn_outputs": outputs, "metrics": {"loss:sum": 0.0}}
     if op == "compute_logprobs":
         return {"logprobs": [None, -0.5]}
+    if op == "get_info":
+        return {"model_id": body["model_id"], "base_model": MODEL, "lora_rank": 32, "train_attn": True,
+                "train_mlp": True, "train_unembed": True, "step": 0}
     return {"metrics": {"step": 1.0}}
 
 
@@ -254,3 +259,120 @@ def test_an_async_call_never_awaited_is_still_made_and_the_warning_names_it():
         tc.optim_step_async()
         gc.collect()
     wait_until(lambda: service.submits == [("optim_step", 0)], "the step to be sent")
+
+
+def ops_sent(service: FakeService) -> list[str]:
+    return [op for op, _ in service.submits]
+
+
+def test_a_cancelled_get_info_async_lets_no_later_call_overtake_the_calls_before_it():
+    """A ``wait_for`` timeout on a status check cancelled the earlier call's place too: the
+    next optim_step was sent before a custom loss's backward and stepped on no gradient."""
+    service = FakeService(hold={"forward"})
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+
+    async def main() -> None:
+        custom = await tc.forward_backward_custom_async([datum()], total_logprob)  # its forward held
+        info = asyncio.create_task(tc.get_info_async())
+        await asyncio.sleep(0)  # the status check now waits behind the backward
+        info.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await info
+        step = await tc.optim_step_async()
+        wait_until(lambda: ops_sent(service) == ["forward"], "the forward to be sent")
+        service.release("forward")
+        await asyncio.wait_for(custom, WAIT)
+        assert (await asyncio.wait_for(step, WAIT)).metrics["step"] == 1.0
+
+    asyncio.run(main())
+    ordered = [(op, seq) for op, seq in service.submits if op != "get_info"]
+    assert ordered == [("forward", 0), ("forward_backward", 1), ("optim_step", 2)]
+
+
+@pytest.mark.parametrize("first", ["get_info", "save_weights"])
+def test_value_returning_async_calls_take_their_place_when_made(first):
+    """They were ``async def``: ``gather(tc.get_info_async(), tc.optim_step_async())`` counted
+    the step, and a sampler named "before-step" sampled the weights after it."""
+    service = FakeService()
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+
+    async def main() -> None:
+        call = tc.get_info_async() if first == "get_info" else tc.save_weights_and_get_sampling_client_async()
+        _, step = await asyncio.wait_for(asyncio.gather(call, tc.optim_step_async(), return_exceptions=True), WAIT)
+        await asyncio.wait_for(step, WAIT)  # the fake's answers make no sampler: an error, kept
+
+    asyncio.run(main())
+    assert ops_sent(service)[:2] == [first, "optim_step"]
+
+
+def test_a_sync_call_on_a_running_loop_does_not_wait_for_a_get_info_task_of_that_loop():
+    """get_info_async's place was given up by a callback on the caller's loop, which a sync
+    ``.result()`` on that loop blocks: in a notebook cell both waited for ever."""
+    service = FakeService(hold={"forward"})
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+
+    async def main() -> float:
+        custom = tc.forward_backward_custom([datum()], total_logprob)
+        info = asyncio.create_task(tc.get_info_async())
+        await asyncio.sleep(0)
+        wait_until(lambda: ops_sent(service) == ["forward"], "the forward to be sent")
+        service.release("forward")
+        custom.result(WAIT)
+        step = tc.optim_step().result(WAIT).metrics["step"]  # blocks this loop's thread
+        await asyncio.wait_for(info, WAIT)
+        return step
+
+    assert asyncio.run(main()) == 1.0
+
+
+def test_get_info_holds_its_place_until_answered():
+    """It gave its place up before its own request went, so an optim_step made after it
+    could reach the run first and be counted."""
+    service = FakeService(hold={"get_info"})
+    tc = trio.TrainingClient(Session(service), "run-1", MODEL)
+    tc.forward_backward([datum()])
+    info = tc.get_info_async()  # its place taken and its request on its way, unawaited
+    step = tc.optim_step()
+    wait_until(lambda: "get_info" in ops_sent(service), "get_info to be sent")
+    assert ops_sent(service) == ["forward_backward", "get_info"]
+    service.release("get_info")
+    step.result(WAIT)
+    assert ops_sent(service) == ["forward_backward", "get_info", "optim_step"]
+    info.close()  # never awaited: its request went anyway
+
+
+def test_many_losses_may_wait_on_the_sdk_at_once():
+    """Losses ran on the SDK loop's default executor, whose own work (loading a tokenizer)
+    they may wait for: with as many losses as its threads (6 on 2 cores) all waited for ever.
+    Here one more loss than those threads each waits for all the others to be running."""
+    losses = min(32, (os.cpu_count() or 1) + 4) + 1
+    all_running = threading.Barrier(losses, timeout=WAIT)
+
+    def loss(data, logprobs):
+        all_running.wait()
+        return total_logprob(data, logprobs)
+
+    service = FakeService()
+    session = Session(service)
+    customs = [trio.TrainingClient(session, f"run-{k}", MODEL).forward_backward_custom([datum()], loss)
+               for k in range(losses)]
+    assert all(custom.result(2 * WAIT).metrics["custom"] == 1.0 for custom in customs)
+
+
+def test_a_ticket_given_up_before_its_turn_keeps_the_order():
+    """A cancelled wait cancelled the earlier ticket's release too, and giving the place up
+    then let every later call go ahead of the earlier ones."""
+    first, second, third = SubmitOrder().take(3)
+
+    async def main() -> None:
+        wait = asyncio.create_task(second.turn())
+        await asyncio.sleep(0)
+        wait.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await wait
+        second.release()
+        assert not first.released.cancelled() and not second.released.done()
+        first.release()
+        await asyncio.wait_for(third.turn(), WAIT)
+
+    asyncio.run(main())

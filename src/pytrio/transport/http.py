@@ -151,8 +151,9 @@ class HttpTransport:
         return target
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        client, self._client = self._client, None  # a later call opens a new one
+        if client is not None:
+            await client.aclose()
 
 
 _RUNS = TypeAdapter(list[TrainingRun])

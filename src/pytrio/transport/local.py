@@ -35,6 +35,17 @@ _cores: dict[str, Any] = {}
 _cores_lock = threading.Lock()
 
 
+def _forget_cores_after_fork() -> None:
+    """A forked child has none of the parent's core's threads (its workers): its clients
+    get a core of their own on the same data dir, shared as with any other process."""
+    global _cores, _cores_lock
+    _cores, _cores_lock = {}, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_cores_after_fork)
+
+
 def default_data_dir() -> Path:
     home = os.environ.get("TRIO_HOME") or Path.home() / ".cache" / "trio"
     return Path(home) / "embedded"
