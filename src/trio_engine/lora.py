@@ -568,7 +568,12 @@ FEW_ROW_BANDS = (1, 2, 8, 16, 32, 64)  # a product of r rows takes the form meas
 WEIGHT_MAJOR_MAX_ROWS = FEW_ROW_BANDS[-1]
 WEIGHT_MAJOR_MIN_GAIN = 1.6  # W xᵀ must be this much faster to be taken (see above)
 FEW_ROW_FORM_ENV = "TRIO_FEW_ROW_FORM"  # "weight_major" or "usual": decide without measuring
-FORM_PROBE_BYTES = 16 << 20  # weights a measurement multiplies in turn: more than a core's own caches
+# Weights a measurement multiplies in turn: more than a last-level cache holds, as a decode
+# step's weights (540 MB in fp32 on the bundled model) are. On machine C (a 32 MiB L3) a
+# 16 MiB probe measured the cached product and kept x Wᵀ for the head and gate/up at 8
+# rows: 8 x 64 fp32 sampling 78 tokens/s against 91 with this probe and 93 with W xᵀ for
+# every product (one process, interleaved, 5 rounds).
+FORM_PROBE_BYTES = 64 << 20
 _few_row_form_lock = threading.Lock()
 _few_row_forms: dict[tuple[int, int, int], bool] = {}  # (out, in, band) -> W xᵀ taken
 
@@ -606,8 +611,9 @@ def weight_major_gain(weight: torch.Tensor, rows: int, repeats: int = 5) -> floa
     """x W^T's time ÷ W x^T's for products of ``rows`` rows by copies of ``weight`` (about
     ``FORM_PROBE_BYTES`` of them, at most 64, more than a core's own caches hold, so that
     each product reads its weight from farther away as a decode step does; a larger weight
-    is cut to its first rows); medians of interleaved timings, about 20 ms on the bundled
-    model's shapes (64 MiB took 85 ms and decided the same)."""
+    is cut to its first rows); medians of interleaved timings, about 85 ms a shape and band
+    of rows on the bundled model's (16 MiB took 20 ms, and decided the same on machine B
+    but not on C: ``FORM_PROBE_BYTES``)."""
     count = max(1, FORM_PROBE_BYTES // (weight.numel() * weight.element_size()))
     keep = min(weight.shape[0], max(1, FORM_PROBE_BYTES // (weight.shape[1] * weight.element_size())))
     with torch.no_grad():

@@ -152,7 +152,7 @@ def test_the_gain_is_the_usual_forms_median_time_over_the_others(monkeypatch):
     def seconds(product, weights, x):
         form = "usual" if product is torch.nn.functional.linear else "major"
         assert product in (torch.nn.functional.linear, lora.weight_major_product)
-        assert len(weights) == 4 and all(torch.equal(w, weight) and w is not weight for w in weights)  # 16 MiB
+        assert len(weights) == 18 and all(torch.equal(w, weight) and w is not weight for w in weights)  # 64 MiB
         calls.append((x.shape, form))
         return times[form][sum(1 for _, f in calls if f == form) - 1]
 
@@ -165,9 +165,9 @@ def test_the_gain_is_the_usual_forms_median_time_over_the_others(monkeypatch):
     assert calls == [(2, 576)] * 10  # by default 5 repeats of each form
 
 
-@pytest.mark.parametrize("shape, copies, rows", [((7, 12), 64, 7), ((1024, 1024), 4, 1024), ((4096, 4096), 1, 1024)])
-def test_the_measurement_reads_about_16_mib_of_copies_of_the_weight(monkeypatch, shape, copies, rows):
-    """Small weights are copied up to 64 times; one past 16 MiB is cut to its first rows."""
+@pytest.mark.parametrize("shape, copies, rows", [((7, 12), 64, 7), ((1024, 1024), 16, 1024), ((8192, 4096), 1, 4096)])
+def test_the_measurement_reads_about_64_mib_of_copies_of_the_weight(monkeypatch, shape, copies, rows):
+    """Small weights are copied up to 64 times; one past 64 MiB is cut to its first rows."""
     seen = []
     monkeypatch.setattr(lora, "_seconds", lambda product, weights, x: seen.append(weights) or 1.0)
     weight = torch.empty(shape)
