@@ -96,8 +96,8 @@ class APIFuture(Generic[T]):
         try:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:  # the builtin one, as pytrio's own TimeoutError is
-            if self._future.done():  # the operation's own error, not this wait's
-                raise
+            if self._future.done():  # done meanwhile, or the operation's own timeout
+                return self._future.result()
             raise TrioTimeoutError(f"no result within {timeout} s") from None
 
     def done(self) -> bool:

@@ -267,16 +267,21 @@ class TrainingClient:
 
         if ticket is None:
             return await send()
-        return await self._after_earlier_calls(ticket, send)  # the current step
+        return await self._after_earlier_calls(ticket, send, hold=False)  # the current step
 
-    async def _after_earlier_calls(self, ticket: Ticket, request: Callable[[], Awaitable[R]]) -> R:
+    async def _after_earlier_calls(self, ticket: Ticket, request: Callable[[], Awaitable[R]], *, hold: bool) -> R:
         """``request()`` once every call made before ``ticket`` was taken has run (or
-        failed), its place held until it is answered: a later call (an ``optim_step``)
-        sent meanwhile could reach the run first and be counted."""
+        failed). ``hold``: keep the place until it is answered, so that no call made later
+        (an ``optim_step``) can reach the run first and be counted (``get_info``); else it
+        is given up at its turn and later calls pipeline on (``log_metrics``, which a step
+        made after it and run within its round trip is counted in)."""
         try:
             await ticket.turn()
-            if self._last_sent is not None:  # the run executes in order: the newest call finishing is all of them
-                await self._session.settled(self._last_sent)
+            last = self._last_sent
+            if not hold:
+                ticket.release()
+            if last is not None:  # the run executes in order: the newest call finishing is all of them
+                await self._session.settled(last)
             return await request()
         finally:
             ticket.release()  # takes no number
@@ -344,7 +349,7 @@ class TrainingClient:
         request = t.GetInfoRequest(model_id=self.model_id)
         ticket = self._take("get_info")[0]
         return schedule(self._after_earlier_calls(
-            ticket, lambda: self._session.call("get_info", request, t.GetInfoResponse)))
+            ticket, lambda: self._session.call("get_info", request, t.GetInfoResponse), hold=True))
 
     async def get_tokenizer_async(self) -> Any:
         return await self._session.tokenizer(self.base_model)

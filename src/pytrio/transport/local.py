@@ -8,6 +8,7 @@ first use (this is where torch and the engine get imported).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
 import shutil
@@ -37,8 +38,12 @@ _cores_lock = threading.Lock()
 
 def _forget_cores_after_fork() -> None:
     """A forked child has none of the parent's core's threads (its workers): its clients
-    get a core of their own on the same data dir, shared as with any other process."""
+    get a core of their own on the same data dir, shared as with any other process. The
+    parent's cores are not closed at the child's exit: that wrote their snapshots from the
+    child's stale copy and waited for a writer thread that is not there."""
     global _cores, _cores_lock
+    for core in _cores.values():
+        atexit.unregister(core.close)
     _cores, _cores_lock = {}, threading.Lock()
 
 
