@@ -164,20 +164,8 @@ def async_twin(sync_fn: Callable[..., APIFuture[T]]) -> Callable[..., Coroutine[
     ``await``, as from an ``async def``.
     """
 
-    @functools.wraps(sync_fn)
-    def method(self, *args, **kwargs):
-        try:
-            awaitable = _ready(sync_fn(self, *args, **kwargs))
-        except Exception as exc:
-            awaitable = _raise(exc)
-        # named as the call in a "coroutine ... was never awaited" warning (the call was made)
-        awaitable.__qualname__ = f"{type(self).__name__}.{method.__name__}"
-        return awaitable
-
+    method = _at_call(sync_fn, lambda self, *args, **kwargs: _ready(sync_fn(self, *args, **kwargs)))
     method.__name__ = sync_fn.__name__ + "_async"
-    method.calls_at_once = True  # type: ignore[attr-defined]
-    if hasattr(inspect, "markcoroutinefunction"):  # Python >= 3.12: inspect calls it a coroutine function
-        inspect.markcoroutinefunction(method)
     return method
 
 
@@ -186,19 +174,27 @@ def begun_at_call(body: Callable[..., Awaitable[T]]) -> Callable[..., Coroutine[
     client's order at the call, as ``async_twin``'s do: ``body`` (a plain function
     returning an awaitable) runs at the call, and the coroutine returned awaits its value.
     (An ``async def`` took its place at its first ``await``:
-    ``gather(tc.get_info_async(), tc.optim_step_async())`` counted the step.) An error from
-    the call is raised at the ``await``, as from an ``async def``."""
+    ``gather(tc.get_info_async(), tc.optim_step_async())`` counted the step.)"""
+    return _at_call(body, lambda self, *args, **kwargs: _awaited(body(self, *args, **kwargs)))
 
-    @functools.wraps(body)
+
+def _at_call(wrapped: Callable[..., Any], start: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Coroutine[Any, Any, T]]:
+    """A method that makes its call at once: ``start(self, ...)`` runs at the call and gives
+    the coroutine to await. An error from the call is raised at the ``await``, as from an
+    ``async def``."""
+
+    @functools.wraps(wrapped)
     def method(self, *args, **kwargs):
         try:
-            awaitable = body(self, *args, **kwargs)
+            awaitable = start(self, *args, **kwargs)
         except Exception as exc:
-            return _raise(exc)
-        return _awaited(awaitable)
+            awaitable = _raise(exc)
+        # named as the call in a "coroutine ... was never awaited" warning (the call was made)
+        awaitable.__qualname__ = f"{type(self).__name__}.{method.__name__}"
+        return awaitable
 
     method.calls_at_once = True  # type: ignore[attr-defined]
-    if hasattr(inspect, "markcoroutinefunction"):  # Python >= 3.12
+    if hasattr(inspect, "markcoroutinefunction"):  # Python >= 3.12: inspect calls it a coroutine function
         inspect.markcoroutinefunction(method)
     return method
 

@@ -231,12 +231,9 @@ def serve(args: argparse.Namespace) -> None:
         if exc.errno not in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR):
             raise
         sys.exit(f"trio serve: cannot use {exc.filename or args.data_dir}: {exc.strerror}; give a writable --data-dir")
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] == "ray":
+    except (sa.exc.SQLAlchemyError, ModuleNotFoundError) as exc:  # the database: down, no driver, a bad URL
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "ray":
             sys.exit("trio serve: --engine ray needs Ray, not installed here: pip install 'trio-platform[ray]'")
-        where = _without_password(args.db) if args.db else "the data dir's database"
-        sys.exit(f"trio serve: cannot open {where}: {database_error(exc)}")
-    except sa.exc.SQLAlchemyError as exc:  # the database: down, no driver, a bad URL
         where = _without_password(args.db) if args.db else "the data dir's database"
         sys.exit(f"trio serve: cannot open {where}: {database_error(exc)}")
     log.info("data dir %s, database %s, engine %s", core.data_dir,
