@@ -94,7 +94,7 @@ Policy = Callable[[ModelHost, list[SampleRequest], float], tuple[float, list[flo
 def measure(host: ModelHost, requests: list[SampleRequest], gap: float, repeats: int) -> dict[str, list]:
     """Each policy ``repeats`` times, alternating, after one untimed warm-up of each on all
     the requests (so that the batch sizes it meets have had their product forms decided:
-    ``lora.weight_major_pays``)."""
+    ``lora.decide_few_row_forms``)."""
     policies: dict[str, Policy] = {"ours": continuous, "baseline": run_to_completion}
     for policy in policies.values():
         policy(host, requests, gap)

@@ -2,14 +2,15 @@
 
 For each linear shape of the bundled model and a few row counts (the rows of one decode
 step), 30 distinct weights are multiplied in turn, so they come from beyond a core's own
-caches as in a real step (machine B's shared 300 MiB L3 holds all but the head's, and
-the model's 425 MB do not fit it: the gains shown held in the model for the down
-projection, not for gate/up or q/o). Both forms run interleaved in one process. Which
-one the engine takes on this CPU is measured once per process for each shape and band of
-row counts (``lora.weight_major_pays``): its decisions are printed, its gains logged.
+caches as in a real step. Both forms run interleaved in one process. A shape's gain here
+need not hold in the model, where each product's form also sets the layout of the next
+one's input (machine C: the down projection 0.64x alone at 8 rows, yet W x^T for every
+product ran sampling 1.25x as fast). So the engine decides per band of rows by timing the
+whole model in each form (``lora.decide_few_row_forms``); its decisions on the bundled
+model are printed last, its gains logged.
 
     RESULT decode_linear_<out>x<in>_rows<r> ours=<products/s as W x^T> baseline=<products/s as x W^T> ratio=...
-    FORM <out>x<in> engine_takes_weight_major_at_rows=<the bands of rows where it takes W x^T>
+    FORM engine_takes_weight_major_at_rows=<the bands of rows where the bundled model takes W x^T>
 
 Run: .venv/bin/python benchmarks/decode_linear.py [--repeats 9]
 """
@@ -23,7 +24,8 @@ import torch
 from common import Timings, bundled_folder, result, timed_pair
 from transformers import AutoConfig
 
-from trio_engine import lora
+from trio_engine import DEFAULT_MODEL, ModelHost, lora
+from trio_engine.sampler import decide_product_forms
 
 LAYERS = 30  # distinct weights per shape: more than a core's own caches hold
 
@@ -57,10 +59,13 @@ def main() -> None:
             timings = compare(layers, rows, args.repeats)
             result(f"decode_linear_{out_f}x{in_f}_rows{rows}", count / timings["ours"], count / timings["baseline"],
                    " (products/s)", timings.spread())
-        with torch.no_grad():
-            bands = [band for band in lora.FEW_ROW_BANDS if lora.weight_major_pays(layers[0].weight, band)]
-        print(f"FORM {out_f}x{in_f} engine_takes_weight_major_at_rows={','.join(map(str, bands)) or 'none'}",
-              flush=True)
+    host = ModelHost(DEFAULT_MODEL, dtype=torch.float32)
+    for band in lora.FEW_ROW_BANDS:
+        decide_product_forms(host, band, None)
+    hidden = host.trunk.config.hidden_size
+    with torch.no_grad():
+        bands = [band for band in lora.FEW_ROW_BANDS if lora.weight_major_pays(torch.empty(hidden, hidden), band)]
+    print(f"FORM engine_takes_weight_major_at_rows={','.join(map(str, bands)) or 'none'}", flush=True)
 
 
 if __name__ == "__main__":

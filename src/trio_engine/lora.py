@@ -32,6 +32,7 @@ import os
 import statistics
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -543,39 +544,32 @@ def _aligned_layout(matrix: torch.Tensor) -> bool:
 
 # Decode-sized inference products (a few rows) in fp32 on the CPU: which of x Wᵀ (the
 # usual form) and W xᵀ is faster depends on the CPU's BLAS kernels for skinny products,
-# on the weight's shape and on the number of rows (benchmarks/decode_linear.py, the
-# bundled model's shapes):
+# on the weight's shape, on the number of rows (benchmarks/decode_linear.py, the bundled
+# model's shapes) and on the layout of the input, which the form of the product before
+# makes (W xᵀ leaves a transposed view, and the elementwise ops after it keep that layout):
 # - on an AVX2 machine (this project's, through session 17), BLAS multiplied one row by Wᵀ
 #   on one thread and 2-16 rows at a third of its speed, while W xᵀ ran near memory speed:
 #   a 1536x576 linear 2.0x / 3.9x / 1.8x faster for 1 / 2 / 8 rows, the 49152x576 head
-#   2.7x / 6.2x for 1 / 2, still 1.1-1.4x at 64 rows (k/v at one row the one loss, 0.55x);
-# - on an AVX-512 machine (from session 18) x Wᵀ was the faster form at 1-8 rows (W xᵀ
-#   ran 1536x576 at 0.32x / 0.39x / 0.67x for 1 / 2 / 8 rows), but not everywhere: the
-#   576x1536 down projection ran 1.7-2x as fast as W xᵀ at 16-32 rows, where one decision
-#   for every shape (measured on 1536x576 at 2 and 8 rows) kept x Wᵀ.
-# So the form is measured once per process for each weight shape and band of row counts
-# (``weight_major_pays``), the first time a product of that shape and band runs, and W xᵀ
-# is taken only where it won clearly: 1.6x. Smaller gains measured alone did not hold in
-# the model: on B, q/o and gate/up measured 1.2-1.5x at 16-32 rows, and taking them with
-# the down projection made a 24-row prefill of the bundled model 100 ms against 98 ms
-# without any; the down projection alone (1.9-2.2x), 97 against 102 ms (interleaved
-# medians). A bar between the two also makes a shape less likely to change form from one
-# process to the next (gate/up at 32 rows measured 1.38x and 1.54x in two processes). It
-# still can where a gain sits near the bar, as the head's does at 16 rows, measured on its
-# first rows (below): either form is then about as fast in the model.
-# bf16 keeps x Wᵀ, its faster form for up to 16 rows on both machines.
-FEW_ROW_BANDS = (1, 2, 8, 16, 32, 64)  # a product of r rows takes the form measured at the first band >= r
+#   2.7x / 6.2x for 1 / 2, still 1.1-1.4x at 64 rows;
+# - on an AVX-512 + AMX machine (B, sessions 18-30) x Wᵀ was the faster form at 1-8 rows;
+# - on an AVX-512 machine without AMX (C, from session 31), measured alone per shape, W xᵀ
+#   won for some shapes and lost for others (the down projection at 0.64x at 8 rows), and
+#   the measurement moved across the bar from one process to the next; in the model, W xᵀ
+#   for every product ran 8 x 64 sampling at 103 tokens/s, x Wᵀ for every product at 81, and
+#   the per-shape choice at 85-94 (one process, interleaved).
+# So the form is decided for a whole model at once, per band of row counts: the model's own
+# forward on that many one-token rows (``decide_few_row_forms``, called by the sampler before
+# a step of that band) is timed with every product in each form, interleaved, and W xᵀ is
+# taken where it ran at least ``WEIGHT_MAJOR_MIN_GAIN`` as fast. bf16 keeps x Wᵀ, its faster
+# form for up to 16 rows on machines A and B.
+FEW_ROW_BANDS = (1, 2, 8, 16, 32, 64)  # a product of r rows takes the form decided at the first band >= r
 WEIGHT_MAJOR_MAX_ROWS = FEW_ROW_BANDS[-1]
-WEIGHT_MAJOR_MIN_GAIN = 1.6  # W xᵀ must be this much faster to be taken (see above)
-FEW_ROW_FORM_ENV = "TRIO_FEW_ROW_FORM"  # "weight_major" or "usual": decide without measuring
-# Weights a measurement multiplies in turn: more than a last-level cache holds, as a decode
-# step's weights (540 MB in fp32 on the bundled model) are. On machine C (a 32 MiB L3) a
-# 16 MiB probe measured the cached product and kept x Wᵀ for the head and gate/up at 8
-# rows: 8 x 64 fp32 sampling 78 tokens/s against 91 with this probe and 93 with W xᵀ for
-# every product (one process, interleaved, 5 rounds).
-FORM_PROBE_BYTES = 64 << 20
+WEIGHT_MAJOR_MIN_GAIN = 1.05  # a trial's noise (the median of 5 rounds' ratios) stays within this
+FEW_ROW_FORM_ENV = "TRIO_FEW_ROW_FORM"  # "weight_major" or "usual": decide without a trial
 _few_row_form_lock = threading.Lock()
 _few_row_forms: dict[tuple[int, int, int], bool] = {}  # (out, in, band) -> W xᵀ taken
+_tried_bands: weakref.WeakKeyDictionary[nn.Module, set[int]] = weakref.WeakKeyDictionary()  # model -> bands decided
+_trial = threading.local()  # during a trial: .form, the form every product takes; .shapes, the weights' it met
 
 
 def weight_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -586,51 +580,82 @@ def weight_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def weight_major_pays(weight: torch.Tensor, rows: int) -> bool:
-    """Whether W x^T beats x W^T on this CPU for ``weight``'s shape at ``rows`` rows, measured
-    once per process for each shape and band of rows (``FEW_ROW_BANDS``); ``$TRIO_FEW_ROW_FORM``
-    decides instead when set."""
-    band = FEW_ROW_BANDS[bisect.bisect_left(FEW_ROW_BANDS, rows)]  # the first band >= rows
-    key = (weight.shape[0], weight.shape[1], band)
-    decided = _few_row_forms.get(key)
-    if decided is not None:  # no lock on the decode path's every product
-        return decided
+    """Whether W x^T is this weight's form at ``rows`` rows: as a trial of its model decided
+    (``decide_few_row_forms``), or as ``$TRIO_FEW_ROW_FORM`` says; x W^T when undecided."""
+    form = getattr(_trial, "form", None)
+    if form is not None:
+        _trial.shapes.add((weight.shape[0], weight.shape[1]))
+        return cast(bool, form)
+    decided = _few_row_forms.get((weight.shape[0], weight.shape[1], few_row_band(rows)))
+    return decided if decided is not None else _forced_form() == "weight_major"
+
+
+def few_row_band(rows: int) -> int:
+    """The first band of ``FEW_ROW_BANDS`` >= ``rows``."""
+    return FEW_ROW_BANDS[bisect.bisect_left(FEW_ROW_BANDS, rows)]
+
+
+def _forced_form() -> str | None:
+    forced = os.environ.get(FEW_ROW_FORM_ENV) or None
+    if forced not in (None, "weight_major", "usual"):
+        raise ValueError(f"{FEW_ROW_FORM_ENV}: {forced!r} is not 'weight_major' or 'usual'")
+    return forced
+
+
+def decide_few_row_forms(model: nn.Module, rows: int, forward: Callable[[int], object], repeats: int = 5) -> None:
+    """Decide the form of ``model``'s fp32 CPU products of ``rows`` rows, once per band of
+    rows: ``forward(band)`` (the model on that many one-token rows) runs in each form,
+    ``repeats`` interleaved rounds after one untimed, and every weight shape it met takes
+    W x^T if that ran ``WEIGHT_MAJOR_MIN_GAIN`` as fast (the median round); 12 forwards, 0.5
+    to 2.5 s on the bundled model (1 to 64 rows). A shape that another model decided
+    keeps its form. ``$TRIO_FEW_ROW_FORM`` decides without timing."""
+    if rows > WEIGHT_MAJOR_MAX_ROWS:
+        return
+    band = few_row_band(rows)
+    if band in _tried_bands.get(model, ()):  # no lock on the decode path's every step
+        return
+    weight = next(model.parameters(), None)
     with _few_row_form_lock:
-        if key not in _few_row_forms:
-            forced = os.environ.get(FEW_ROW_FORM_ENV)
-            if forced not in (None, "", "weight_major", "usual"):
-                raise ValueError(f"{FEW_ROW_FORM_ENV}: {forced!r} is not 'weight_major' or 'usual'")
-            gain = None if forced else weight_major_gain(weight, band)
-            _few_row_forms[key] = forced == "weight_major" or (gain is not None and gain >= WEIGHT_MAJOR_MIN_GAIN)
-            log.info("fp32 products of %d x %d weights by up to %d rows take the %s form (%s)", *key,
-                     "W x^T" if _few_row_forms[key] else "x W^T",
-                     f"${FEW_ROW_FORM_ENV}" if forced else f"W x^T {gain:.2f}x as fast")
-        return _few_row_forms[key]
+        if band in _tried_bands.setdefault(model, set()):
+            return
+        if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            forced = _forced_form()
+            shapes, gain = _tried(forward, band, repeats) if forced is None else (_in_form(forward, band, False), None)
+            major = forced == "weight_major" or (gain is not None and gain >= WEIGHT_MAJOR_MIN_GAIN)
+            for out_features, in_features in shapes:
+                _few_row_forms.setdefault((out_features, in_features, band), major)
+            log.info("fp32 products of up to %d rows take the %s form (%s)", band, "W x^T" if major else "x W^T",
+                     f"${FEW_ROW_FORM_ENV}" if forced else f"the model ran {gain:.2f}x as fast in W x^T")
+        _tried_bands[model].add(band)
 
 
-def weight_major_gain(weight: torch.Tensor, rows: int, repeats: int = 5) -> float:
-    """x W^T's time ÷ W x^T's for products of ``rows`` rows by copies of ``weight`` (about
-    ``FORM_PROBE_BYTES`` of them, at most 64, more than a core's own caches hold, so that
-    each product reads its weight from farther away as a decode step does; a larger weight
-    is cut to its first rows); medians of interleaved timings, about 85 ms a shape and band
-    of rows on the bundled model's (16 MiB took 20 ms, and decided the same on machine B
-    but not on C: ``FORM_PROBE_BYTES``)."""
-    count = max(1, FORM_PROBE_BYTES // (weight.numel() * weight.element_size()))
-    keep = min(weight.shape[0], max(1, FORM_PROBE_BYTES // (weight.shape[1] * weight.element_size())))
-    with torch.no_grad():
-        weights = [weight.detach()[:keep].clone() for _ in range(min(count, 64))]
-        x = torch.ones(rows, weight.shape[1])  # a product takes the same time whatever its values
-        usual, major = [], []
-        for _ in range(repeats):
-            usual.append(_seconds(nn.functional.linear, weights, x))
-            major.append(_seconds(weight_major_product, weights, x))
-    return statistics.median(usual) / statistics.median(major)
+def _tried(forward: Callable[[int], object], band: int, repeats: int) -> tuple[set[tuple[int, int]], float]:
+    """The weight shapes ``forward(band)`` met, and the median over rounds of its time in
+    x W^T ÷ its time in W x^T (a ratio per round: a burst of other work on the machine
+    slows one round's pair, not the decision)."""
+    ratios = []
+    shapes: set[tuple[int, int]] = set()
+    for round_ in range(repeats + 1):
+        seconds = {}
+        for form in (True, False) if round_ % 2 == 0 else (False, True):
+            start = time.perf_counter()
+            shapes |= _in_form(forward, band, form)
+            seconds[form] = time.perf_counter() - start
+        if round_:  # the first round warms both forms up
+            ratios.append(seconds[False] / seconds[True])
+    return shapes, statistics.median(ratios)
 
 
-def _seconds(product: Callable[..., torch.Tensor], weights: list[torch.Tensor], x: torch.Tensor) -> float:
-    start = time.perf_counter()
-    for weight in weights:
-        product(x, weight, None)
-    return time.perf_counter() - start
+def _in_form(forward: Callable[[int], object], band: int, form: bool) -> set[tuple[int, int]]:
+    """Run ``forward(band)`` with every few-row fp32 product in W x^T (``form``) or x W^T;
+    the weight shapes it met."""
+    _trial.form, _trial.shapes = form, set()
+    try:
+        with torch.no_grad():
+            forward(band)
+        return cast(set[tuple[int, int]], _trial.shapes)
+    finally:
+        _trial.form = None
 
 
 def base_product(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -552,6 +552,7 @@ def _prefill(host: SamplingHost, requests: list[SampleRequest], cache: DynamicCa
     if any(n for n, _ in hits):
         mask = torch.cat([_fill_reused(cache, hits, dev), mask], dim=1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
+    decide_product_forms(host, ids.numel(), requests[0].adapter_id)
     with host.routing.route([r.adapter_id for r in requests]):
         out = _trunk(host, ids, mask, positions, cache)
     # a copy: the view would keep the whole (P, T, H) output alive in the batch, and a
@@ -608,9 +609,22 @@ def _row_kv(cache: DynamicCache, mask: torch.Tensor, row: int) -> KV:
 def _decode(host: SamplingHost, tokens: torch.Tensor, mask: torch.Tensor, cache: DynamicCache, adapters):
     """One step for every live row: (R,) new tokens -> (R, H) hidden states."""
     positions = (mask.sum(-1, keepdim=True) - 1)  # (R, 1)
+    decide_product_forms(host, len(tokens), adapters[0])
     with host.routing.route(adapters):
         out = _trunk(host, tokens[:, None], mask, positions, cache)
     return out.last_hidden_state[:, -1]
+
+
+def decide_product_forms(host: SamplingHost, rows: int, adapter: str | None) -> None:
+    """Before a pass of ``rows`` rows: the form of its few-row products, decided once per
+    band of rows by the model's own forward on that many one-token rows of ``adapter``
+    (``lora.decide_few_row_forms``), the head included, as a decode step runs them."""
+    def forward(band: int) -> None:
+        ids = torch.zeros(band, 1, dtype=torch.long, device=host.device)
+        with host.routing.route([adapter] * band):
+            host.unembed(host.trunk(input_ids=ids, use_cache=False).last_hidden_state[:, -1])
+
+    lora.decide_few_row_forms(host.trunk, rows, forward)
 
 
 @functools.cache

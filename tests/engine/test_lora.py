@@ -1,10 +1,20 @@
 """LoRA against a hand-written W0 + (α/r)·B·A, and multi-adapter batches against solo runs."""
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
 
-from trio_engine import LORA_ALPHA, Example, ForwardJob, LoraConfig, lora
+from trio_engine import (
+    LORA_ALPHA,
+    Example,
+    ForwardJob,
+    LoraConfig,
+    SampleRequest,
+    SamplingConfig,
+    lora,
+)
 from trio_engine.lora import WEIGHT_MAJOR_MAX_ROWS, LoRALinear, Routing, base_product, weight_major
 
 from .helpers import plain_model, randomize_adapter, reference_logprobs
@@ -43,6 +53,7 @@ def weight_major_pays(monkeypatch):
 @pytest.fixture
 def no_forms_decided(monkeypatch):
     monkeypatch.setattr(lora, "_few_row_forms", {})
+    monkeypatch.setattr(lora, "_tried_bands", weakref.WeakKeyDictionary())
     monkeypatch.delenv(lora.FEW_ROW_FORM_ENV, raising=False)
 
 
@@ -88,99 +99,144 @@ def test_a_cpu_where_the_weight_major_form_does_not_pay_keeps_the_usual_one(monk
     assert product.is_contiguous()  # nn.Linear's own layout
 
 
-@pytest.mark.parametrize("gain, pays", [(1.7, True), (1.6, True), (1.55, False), (0.45, False)])
-def test_the_form_is_measured_once_and_taken_only_on_a_clear_gain(no_forms_decided, monkeypatch, gain, pays):
-    measured = []
-    monkeypatch.setattr(lora, "weight_major_gain", lambda weight, rows: measured.append(rows) or gain)
-    weight = torch.zeros(7, 12)
-    assert lora.weight_major_pays(weight, 5) is pays and lora.weight_major_pays(weight, 5) is pays
-    assert measured == [8]
-
-
-def test_each_weight_shape_and_band_of_rows_has_a_form_of_its_own(no_forms_decided, monkeypatch):
-    """A product of r rows takes the form measured at the first band >= r rows."""
-    measured = []
-    gains = {((7, 12), 1): 2.0, ((7, 12), 8): 1.0, ((7, 12), 32): 1.6, ((7, 5), 8): 1.6}
-
-    def gain(weight, rows):
-        measured.append((tuple(weight.shape), rows))
-        return gains.get((tuple(weight.shape), rows), 1.0)
-
-    monkeypatch.setattr(lora, "weight_major_gain", gain)
-    wide, narrow = torch.zeros(7, 12), torch.zeros(7, 5)  # the same rows, not the same shape
+def test_an_undecided_product_takes_the_usual_form(no_forms_decided):
     with torch.no_grad():
-        takes = {rows: weight_major(torch.zeros(rows, 12), wide) for rows in (1, 2, 3, 8, 9, 16, 17, 32, 33, 64)}
-        assert weight_major(torch.zeros(4, 5), narrow)
-    assert takes == {1: True, 2: False, 3: False, 8: False, 9: False, 16: False, 17: True, 32: True,
-                     33: False, 64: False}
-    assert measured == [((7, 12), 1), ((7, 12), 2), ((7, 12), 8), ((7, 12), 16), ((7, 12), 32), ((7, 12), 64),
-                        ((7, 5), 8)]
+        assert not weight_major(torch.zeros(2, 12), torch.zeros(7, 12))
+
+
+def _model(*shapes: tuple[int, int], dtype=torch.float32) -> nn.Module:
+    """A model of linears of ``shapes`` (out, in), and a forward that runs each on ``band`` rows."""
+    return nn.ModuleList(nn.Linear(i, o, bias=False, dtype=dtype) for o, i in shapes)
+
+
+def _forward_of(model: nn.Module, calls: list | None = None):
+    def forward(band):
+        if calls is not None:
+            calls.append(band)
+        for layer in model:
+            base_product(layer, torch.zeros(band, layer.in_features, dtype=layer.weight.dtype))
+    return forward
+
+
+@pytest.mark.parametrize("gain, major", [(1.3, True), (1.05, True), (1.04, False), (0.7, False)])
+def test_a_trial_decides_every_shape_it_met_for_its_band_of_rows(no_forms_decided, monkeypatch, gain, major):
+    model = _model((7, 12), (5, 7))
+    tried = []
+    monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: tried.append((band, repeats)) or
+                        (lora._in_form(forward, band, True), gain))
+    lora.decide_few_row_forms(model, 5, _forward_of(model))
+    lora.decide_few_row_forms(model, 8, _forward_of(model))  # the same band: decided once
+    assert tried == [(8, 5)]
+    assert lora._few_row_forms == {(7, 12, 8): major, (5, 7, 8): major}
+    with torch.no_grad():
+        assert weight_major(torch.zeros(6, 12), model[0].weight) is major
+        assert not weight_major(torch.zeros(9, 12), model[0].weight)  # band 16: undecided
+        assert not weight_major(torch.zeros(6, 12), torch.zeros(9, 12))  # a shape the trial did not meet
+
+
+def test_each_band_has_a_trial_of_its_own_and_many_rows_none(no_forms_decided, monkeypatch):
+    model = _model((7, 12))
+    calls = []
+    for rows in (1, 2, 3, 8, 9, 16, 17, 64, 65, 600, 40):
+        lora.decide_few_row_forms(model, rows, _forward_of(model, calls), repeats=1)
+    assert calls == [1] * 4 + [2] * 4 + [8] * 4 + [16] * 4 + [32] * 4 + [64] * 4  # 1 warm round + 1 timed, 2 forms
+    assert {band for _, _, band in lora._few_row_forms} == set(lora.FEW_ROW_BANDS)
     assert lora.FEW_ROW_BANDS[-1] == WEIGHT_MAJOR_MAX_ROWS
 
 
-@pytest.mark.parametrize("form, pays", [("weight_major", True), ("usual", False)])
-def test_the_environment_decides_the_form_without_measuring(no_forms_decided, monkeypatch, form, pays):
+def test_a_model_off_fp32_or_off_the_cpu_has_no_trial(no_forms_decided):
+    for model in (_model((7, 12), dtype=torch.bfloat16), _model((7, 12)).to("meta"), nn.Module()):
+        lora.decide_few_row_forms(model, 2, lambda band: pytest.fail("tried"))
+    assert lora._few_row_forms == {}
+
+
+def test_a_second_model_decides_its_own_shapes_and_leaves_the_first_ones(no_forms_decided, monkeypatch):
+    first, second = _model((7, 12)), _model((7, 12), (3, 7))
+    gains = iter([2.0, 0.5])
+    monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: (lora._in_form(forward, band, True), next(gains)))
+    lora.decide_few_row_forms(first, 2, _forward_of(first))
+    lora.decide_few_row_forms(second, 2, _forward_of(second))
+    assert lora._few_row_forms == {(7, 12, 2): True, (3, 7, 2): False}
+
+
+@pytest.mark.parametrize("form, major", [("weight_major", True), ("usual", False)])
+def test_the_environment_decides_the_form_without_timing(no_forms_decided, monkeypatch, form, major):
     monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, form)
-    monkeypatch.setattr(lora, "weight_major_gain", lambda *a: pytest.fail("measured although the environment decides"))
-    assert lora.weight_major_pays(torch.zeros(7, 12), 2) is pays
+    monkeypatch.setattr(lora, "_tried", lambda *a: pytest.fail("timed although the environment decides"))
+    model = _model((7, 12))
+    with torch.no_grad():
+        assert weight_major(torch.zeros(2, 12), model[0].weight) is major  # before any trial too
+    lora.decide_few_row_forms(model, 2, _forward_of(model))
+    assert lora._few_row_forms == {(7, 12, 2): major}
 
 
-def test_an_empty_form_in_the_environment_measures(no_forms_decided, monkeypatch):
+def test_an_empty_form_in_the_environment_times_a_trial(no_forms_decided, monkeypatch):
     monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, "")
-    monkeypatch.setattr(lora, "weight_major_gain", lambda weight, rows: 2.0)
-    assert lora.weight_major_pays(torch.zeros(7, 12), 2) is True
+    monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: (lora._in_form(forward, band, True), 2.0))
+    model = _model((7, 12))
+    lora.decide_few_row_forms(model, 2, _forward_of(model))
+    assert lora._few_row_forms == {(7, 12, 2): True}
 
 
 def test_a_bad_form_in_the_environment_names_the_variable(no_forms_decided, monkeypatch):
     monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, "fast")
-    with pytest.raises(ValueError, match="TRIO_FEW_ROW_FORM.*'fast'"):
-        lora.weight_major_pays(torch.zeros(7, 12), 2)
+    with pytest.raises(ValueError, match="TRIO_FEW_ROW_FORM.*'fast'"), torch.no_grad():
+        weight_major(torch.zeros(2, 12), torch.zeros(7, 12))
 
 
-def test_the_measured_gain_is_a_ratio_of_two_timings():
-    gain = lora.weight_major_gain(torch.randn(7, 12), 2, repeats=1)
-    assert 0 < gain < float("inf")
-
-
-def test_the_gain_is_the_usual_forms_median_time_over_the_others(monkeypatch):
-    """With the timings given (no clock involved): the weights and rows measured, its
-    repeats (medians, interleaved), and the ratio."""
-    calls = []
-    times = {"usual": [0.30, 0.90, 0.31], "major": [0.10, 0.10, 0.50]}  # medians 0.31 / 0.10
-    weight = torch.randn(1536, 576)
-
-    def seconds(product, weights, x):
-        form = "usual" if product is torch.nn.functional.linear else "major"
-        assert product in (torch.nn.functional.linear, lora.weight_major_product)
-        assert len(weights) == 18 and all(torch.equal(w, weight) and w is not weight for w in weights)  # 64 MiB
-        calls.append((x.shape, form))
-        return times[form][sum(1 for _, f in calls if f == form) - 1]
-
-    monkeypatch.setattr(lora, "_seconds", seconds)
-    assert lora.weight_major_gain(weight, 8, repeats=3) == pytest.approx(3.1)
-    assert calls == [((8, 576), "usual"), ((8, 576), "major")] * 3
-    calls.clear()
-    monkeypatch.setattr(lora, "_seconds", lambda product, weights, x: calls.append(x.shape) or 1.0)
-    lora.weight_major_gain(weight, 2)
-    assert calls == [(2, 576)] * 10  # by default 5 repeats of each form
-
-
-@pytest.mark.parametrize("shape, copies, rows", [((7, 12), 64, 7), ((1024, 1024), 16, 1024), ((8192, 4096), 1, 4096)])
-def test_the_measurement_reads_about_64_mib_of_copies_of_the_weight(monkeypatch, shape, copies, rows):
-    """Small weights are copied up to 64 times; one past 64 MiB is cut to its first rows."""
+def test_in_a_trial_every_product_takes_its_form_and_the_shapes_are_met(no_forms_decided):
+    model = _model((7, 12), (5, 7), (7, 12))
     seen = []
-    monkeypatch.setattr(lora, "_seconds", lambda product, weights, x: seen.append(weights) or 1.0)
-    weight = torch.empty(shape)
-    lora.weight_major_gain(weight, 2, repeats=1)
-    assert [len(w) for w in seen] == [copies] * 2 and all(w.shape == (rows, shape[1]) for w in seen[0])
+
+    def forward(band):
+        seen.append(weight_major(torch.zeros(band, 12), model[0].weight))
+        _forward_of(model)(band)
+        seen.append(torch.is_grad_enabled())
+
+    assert lora._in_form(forward, 8, True) == {(7, 12), (5, 7)}
+    assert lora._in_form(forward, 8, False) == {(7, 12), (5, 7)}
+    assert seen == [True, False, False, False]
+    with pytest.raises(RuntimeError), torch.no_grad():
+        lora._in_form(lambda band: (_ for _ in ()).throw(RuntimeError()), 8, True)
+    with torch.no_grad():
+        assert not weight_major(torch.zeros(2, 12), model[0].weight)  # the trial's form is gone after it
 
 
-def test_a_product_is_timed_from_its_start(monkeypatch):
-    clock = iter([10.0, 10.5])
-    monkeypatch.setattr(lora.time, "perf_counter", lambda: next(clock))
-    done = []
-    assert lora._seconds(lambda x, w, b: done.append(w), [1, 2], None) == 0.5
-    assert done == [1, 2]
+def test_the_gain_is_the_median_rounds_usual_time_over_the_other(monkeypatch):
+    """With the timings given (no clock involved): a warm round dropped, the forms'
+    order alternating, and the median of the rounds' ratios."""
+    elapsed = {True: iter([9, 1, 1, 1, 1]), False: iter([9, 3, 2, 9, 1])}  # ratios 3, 2, 9, 1 after the warm round
+    order, now = [], [0.0]
+
+    def in_form(forward, band, form):
+        order.append(form)
+        now[0] += next(elapsed[form])
+        return {(band, int(form))}
+
+    monkeypatch.setattr(lora, "_in_form", in_form)
+    monkeypatch.setattr(lora.time, "perf_counter", lambda: now[0])
+    shapes, gain = lora._tried(lambda band: None, 8, repeats=4)
+    assert order == [True, False, False, True, True, False, False, True, True, False]
+    assert gain == pytest.approx(2.5)  # the median of 3, 2, 9, 1
+    assert shapes == {(8, 1), (8, 0)}
+
+
+def test_the_sampler_decides_the_forms_by_its_model_before_prefill_and_decode(no_forms_decided, monkeypatch,
+                                                                              tiny_host, new_id):
+    """A real trial on the tiny model: the trunk and the head on that many one-token rows
+    of the request's adapter, for the prefill's rows and the decode step's."""
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=0))
+    routed = []
+    real_route = tiny_host.routing.route
+    monkeypatch.setattr(tiny_host.routing, "route", lambda adapters, **k: routed.append(list(adapters)) or
+                        real_route(adapters, **k))
+    tiny_host.sample([SampleRequest(aid, list(range(5, 15)), 3, SamplingConfig(max_tokens=2, seed=0))])
+    # the prompt's 10 rows (prefilled once for its 3 samples), then the 3 rows decoding
+    assert {band for _, _, band in lora._few_row_forms} == {16, 8}
+    assert routed.count([aid] * 16) == routed.count([aid] * 8) == 12  # a warm round and 5 timed, in both forms
+    head = tiny_host.model.get_output_embeddings().weight
+    assert (*head.shape, 8) in lora._few_row_forms and (*head.shape, 16) in lora._few_row_forms
 
 
 def test_new_adapter_changes_nothing(tiny_host, new_id):
