@@ -566,6 +566,7 @@ FEW_ROW_BANDS = (1, 2, 8, 16, 32, 64)  # a product of r rows takes the form deci
 WEIGHT_MAJOR_MAX_ROWS = FEW_ROW_BANDS[-1]
 WEIGHT_MAJOR_MIN_GAIN = 1.05  # a trial's noise (the median of 5 rounds' ratios) stays within this
 FEW_ROW_FORM_ENV = "TRIO_FEW_ROW_FORM"  # "weight_major" or "usual": decide without a trial
+TRIAL_SECONDS = 2.0  # the timed rounds of one band's trial, at most (``_tried``)
 _few_row_form_lock = threading.Lock()
 _few_row_forms: dict[tuple[int, int, int], bool] = {}  # (out, in, band) -> W xᵀ taken
 _tried_bands: weakref.WeakKeyDictionary[nn.Module, set[int]] = weakref.WeakKeyDictionary()  # model -> bands decided
@@ -607,7 +608,8 @@ def decide_few_row_forms(model: nn.Module, rows: int, forward: Callable[[int], o
     rows: ``forward(band)`` (the model on that many one-token rows) runs in each form,
     ``repeats`` interleaved rounds after one untimed, and every weight shape it met takes
     W x^T if that ran ``WEIGHT_MAJOR_MIN_GAIN`` as fast (the median round); 12 forwards, 0.5
-    to 2.5 s on the bundled model (1 to 64 rows). A shape that another model decided
+    to 2.5 s on the bundled model (1 to 64 rows), fewer on a model whose forwards take
+    longer (``TRIAL_SECONDS``). A shape that another model decided
     keeps its form. ``$TRIO_FEW_ROW_FORM`` decides without timing."""
     if rows > WEIGHT_MAJOR_MAX_ROWS:
         return
@@ -632,17 +634,24 @@ def decide_few_row_forms(model: nn.Module, rows: int, forward: Callable[[int], o
 def _tried(forward: Callable[[int], object], band: int, repeats: int) -> tuple[set[tuple[int, int]], float]:
     """The weight shapes ``forward(band)`` met, and the median over rounds of its time in
     x W^T ÷ its time in W x^T (a ratio per round: a burst of other work on the machine
-    slows one round's pair, not the decision)."""
-    ratios = []
+    slows one round's pair, not the decision). After the warm round, as many rounds as fit
+    in ``TRIAL_SECONDS``, at least one and at most ``repeats``: a larger model's trial
+    stays within a few of its steps."""
+    ratios: list[float] = []
     shapes: set[tuple[int, int]] = set()
-    for round_ in range(repeats + 1):
+    rounds = repeats + 1
+    round_ = 0
+    while round_ < rounds:
         seconds = {}
         for form in (True, False) if round_ % 2 == 0 else (False, True):
             start = time.perf_counter()
             shapes |= _in_form(forward, band, form)
             seconds[form] = time.perf_counter() - start
-        if round_:  # the first round warms both forms up
+        if round_:
             ratios.append(seconds[False] / seconds[True])
+        else:  # the first round warms both forms up, and sizes the trial
+            rounds = 1 + max(1, min(repeats, int(TRIAL_SECONDS / (seconds[True] + seconds[False]))))
+        round_ += 1
     return shapes, statistics.median(ratios)
 
 

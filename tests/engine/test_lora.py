@@ -205,7 +205,7 @@ def test_in_a_trial_every_product_takes_its_form_and_the_shapes_are_met(no_forms
 def test_the_gain_is_the_median_rounds_usual_time_over_the_other(monkeypatch):
     """With the timings given (no clock involved): a warm round dropped, the forms'
     order alternating, and the median of the rounds' ratios."""
-    elapsed = {True: iter([9, 1, 1, 1, 1]), False: iter([9, 3, 2, 9, 1])}  # ratios 3, 2, 9, 1 after the warm round
+    elapsed = {True: iter([0.1, 1, 1, 1, 1]), False: iter([0.1, 3, 2, 9, 1])}  # ratios 3, 2, 9, 1 after the warm round
     order, now = [], [0.0]
 
     def in_form(forward, band, form):
@@ -219,6 +219,22 @@ def test_the_gain_is_the_median_rounds_usual_time_over_the_other(monkeypatch):
     assert order == [True, False, False, True, True, False, False, True, True, False]
     assert gain == pytest.approx(2.5)  # the median of 3, 2, 9, 1
     assert shapes == {(8, 1), (8, 0)}
+
+
+@pytest.mark.parametrize("warm_pair, timed_rounds", [(0.1, 5), (0.5, 4), (0.9, 2), (1.5, 1), (30.0, 1)])
+def test_a_slower_model_has_fewer_timed_rounds(monkeypatch, warm_pair, timed_rounds):
+    """As many rounds as fit in TRIAL_SECONDS (2 s) after the warm one, 1 to ``repeats``."""
+    pairs, now = [], [0.0]
+
+    def in_form(forward, band, form):
+        now[0] += warm_pair / 2 if len(pairs) < 2 else 0.1
+        pairs.append(form)
+        return set()
+
+    monkeypatch.setattr(lora, "_in_form", in_form)
+    monkeypatch.setattr(lora.time, "perf_counter", lambda: now[0])
+    lora._tried(lambda band: None, 8, repeats=5)
+    assert len(pairs) == 2 * (1 + timed_rounds)
 
 
 def test_the_sampler_decides_the_forms_by_its_model_before_prefill_and_decode(no_forms_decided, monkeypatch,
