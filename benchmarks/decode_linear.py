@@ -62,9 +62,7 @@ def main() -> None:
     host = ModelHost(DEFAULT_MODEL, dtype=torch.float32)
     for band in lora.FEW_ROW_BANDS:
         decide_product_forms(host, band, None)
-    hidden = host.trunk.config.hidden_size
-    with torch.no_grad():
-        bands = [band for band in lora.FEW_ROW_BANDS if lora.weight_major_pays(torch.empty(hidden, hidden), band)]
+    bands = [band for band in lora.FEW_ROW_BANDS if host.routing.few_row_forms[band]]
     print(f"FORM engine_takes_weight_major_at_rows={','.join(map(str, bands)) or 'none'}", flush=True)
 
 

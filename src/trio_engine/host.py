@@ -443,6 +443,9 @@ class ModelHost:
         lengths = [len(ex.tokens) for ex in examples]
         row_adapters = [jobs[j].adapter_id for j, _ in micro]
         token_adapters = [a for a, n in zip(row_adapters, lengths) for _ in range(n)]
+        if not backward:  # the trunk's rows, then the head's
+            sampler.decide_product_forms(self, sum(lengths) if packed else len(lengths) * max(lengths), row_adapters[0])
+            sampler.decide_product_forms(self, sum(lengths), row_adapters[0])
         if packed:
             hidden = self._packed_trunk(examples, lengths, token_adapters)
         else:

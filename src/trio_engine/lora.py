@@ -32,8 +32,7 @@ import os
 import statistics
 import threading
 import time
-import weakref
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import cast
@@ -83,6 +82,7 @@ class Routing:
         self.segments: list[tuple[str, slice | None]] = []
         self.over_tokens = False
         self.rows: int | None = None
+        self.few_row_forms: dict[int, bool] = {}  # band of rows -> W xᵀ taken (``decide_few_row_forms``)
 
     @contextmanager
     def use(self, segments: list[tuple[str, slice | None]], over_tokens: bool = False,
@@ -179,7 +179,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, in) or (N, in)
         if self.group is not None and self.group.applies(x):
             return self.group.output(self, x)
-        return with_adapters(base_product(self.base, x), x, self.routing, self.lora_A, self._adapted)
+        return with_adapters(base_product(self.base, x, self.routing.few_row_forms), x, self.routing, self.lora_A,
+                             self._adapted)
 
     def _adapted(self, out: torch.Tensor, x: torch.Tensor, adapter_id: str) -> torch.Tensor:
         """``out`` + this layer's low-rank update of adapter ``adapter_id`` on ``x``."""
@@ -304,7 +305,7 @@ class SiblingGroup:
             del self._stacks[key]
 
     def _compute(self, x: torch.Tensor) -> list[torch.Tensor]:
-        out = linear_product(self.weight, self.bias, x)
+        out = linear_product(self.weight, self.bias, x, self.routing.few_row_forms)
         adapters = set().union(*(m.lora_A for m in self.members))
         return list(with_adapters(out, x, self.routing, adapters, self._adapted).split(self.sizes, dim=-1))
 
@@ -558,36 +559,37 @@ def _aligned_layout(matrix: torch.Tensor) -> bool:
 #   for every product ran 8 x 64 sampling at 103 tokens/s, x Wᵀ for every product at 81, and
 #   the per-shape choice at 85-94 (one process, interleaved).
 # So the form is decided for a whole model at once, per band of row counts: the model's own
-# forward on that many one-token rows (``decide_few_row_forms``, called by the sampler before
-# a step of that band) is timed with every product in each form, interleaved, and W xᵀ is
-# taken where it ran at least ``WEIGHT_MAJOR_MIN_GAIN`` as fast. bf16 keeps x Wᵀ, its faster
-# form for up to 16 rows on machines A and B.
+# forward on that many one-token rows (``decide_few_row_forms``, called before any inference
+# pass of that band: the sampler's prefill, decode and draw, the host's passes without
+# gradients) is timed with every product in each form, interleaved, and W xᵀ is taken where
+# it ran at least ``WEIGHT_MAJOR_MIN_GAIN`` as fast. The decisions are the model's own
+# (``Routing.few_row_forms``): another model, of other shapes, runs its own trial. bf16 keeps
+# x Wᵀ, its faster form for up to 16 rows on machines A and B, and in the model on C.
 FEW_ROW_BANDS = (1, 2, 8, 16, 32, 64)  # a product of r rows takes the form decided at the first band >= r
 WEIGHT_MAJOR_MAX_ROWS = FEW_ROW_BANDS[-1]
 WEIGHT_MAJOR_MIN_GAIN = 1.05  # a trial's noise (the median of 5 rounds' ratios) stays within this
 FEW_ROW_FORM_ENV = "TRIO_FEW_ROW_FORM"  # "weight_major" or "usual": decide without a trial
 TRIAL_SECONDS = 2.0  # the timed rounds of one band's trial, at most (``_tried``)
 _few_row_form_lock = threading.Lock()
-_few_row_forms: dict[tuple[int, int, int], bool] = {}  # (out, in, band) -> W xᵀ taken
-_tried_bands: weakref.WeakKeyDictionary[nn.Module, set[int]] = weakref.WeakKeyDictionary()  # model -> bands decided
-_trial = threading.local()  # during a trial: .form, the form every product takes; .shapes, the weights' it met
+_trial = threading.local()  # .form during a trial on this thread: the form every product takes
 
 
-def weight_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x``'s product with ``weight`` runs faster as W x^T (see above)."""
+def weight_major(x: torch.Tensor, weight: torch.Tensor, forms: Mapping[int, bool] | None = None) -> bool:
+    """Whether ``x``'s product with ``weight`` takes the W x^T form (see above): a few-row
+    fp32 CPU product outside autograd, in the form ``forms`` (band of rows -> W x^T taken,
+    the model's ``Routing.few_row_forms``) holds for its band."""
     rows = x.numel() // x.shape[-1]
     return (not torch.is_grad_enabled() and weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and rows <= WEIGHT_MAJOR_MAX_ROWS and weight_major_pays(weight, rows))
+            and rows <= WEIGHT_MAJOR_MAX_ROWS and weight_major_pays(rows, forms))
 
 
-def weight_major_pays(weight: torch.Tensor, rows: int) -> bool:
-    """Whether W x^T is this weight's form at ``rows`` rows: as a trial of its model decided
-    (``decide_few_row_forms``), or as ``$TRIO_FEW_ROW_FORM`` says; x W^T when undecided."""
+def weight_major_pays(rows: int, forms: Mapping[int, bool] | None) -> bool:
+    """Whether W x^T is the form at ``rows`` rows: the trial's, while one runs on this
+    thread; else as ``forms`` decided; else as ``$TRIO_FEW_ROW_FORM`` says (x W^T unset)."""
     form = getattr(_trial, "form", None)
     if form is not None:
-        _trial.shapes.add((weight.shape[0], weight.shape[1]))
         return cast(bool, form)
-    decided = _few_row_forms.get((weight.shape[0], weight.shape[1], few_row_band(rows)))
+    decided = forms.get(few_row_band(rows)) if forms else None
     return decided if decided is not None else _forced_form() == "weight_major"
 
 
@@ -603,80 +605,78 @@ def _forced_form() -> str | None:
     return forced
 
 
-def decide_few_row_forms(model: nn.Module, rows: int, forward: Callable[[int], object], repeats: int = 5) -> None:
-    """Decide the form of ``model``'s fp32 CPU products of ``rows`` rows, once per band of
-    rows: ``forward(band)`` (the model on that many one-token rows) runs in each form,
-    ``repeats`` interleaved rounds after one untimed, and every weight shape it met takes
-    W x^T if that ran ``WEIGHT_MAJOR_MIN_GAIN`` as fast (the median round); 12 forwards, 0.5
-    to 2.5 s on the bundled model (1 to 64 rows), fewer on a model whose forwards take
-    longer (``TRIAL_SECONDS``). A shape that another model decided
-    keeps its form. ``$TRIO_FEW_ROW_FORM`` decides without timing."""
+def decide_few_row_forms(forms: dict[int, bool], model: nn.Module, rows: int, forward: Callable[[int], object],
+                         repeats: int = 5) -> None:
+    """Decide into ``forms`` (``model``'s ``Routing.few_row_forms``) the form of its fp32 CPU
+    products of ``rows`` rows, once per band of rows: ``forward(band)`` (the model on that
+    many one-token rows) runs in each form, ``repeats`` interleaved rounds after one
+    untimed, and W x^T is taken if it ran ``WEIGHT_MAJOR_MIN_GAIN`` as fast (the median
+    round); 12 forwards, 0.5 to 2.5 s on the bundled model (1 to 64 rows), fewer on a model
+    whose forwards take longer (``TRIAL_SECONDS``). ``$TRIO_FEW_ROW_FORM`` decides without
+    timing; a model off fp32 or off the CPU has nothing to decide."""
     if rows > WEIGHT_MAJOR_MAX_ROWS:
         return
     band = few_row_band(rows)
-    if band in _tried_bands.get(model, ()):  # no lock on the decode path's every step
+    if band in forms:  # no lock on the decode path's every step
         return
     weight = next(model.parameters(), None)
     with _few_row_form_lock:
-        if band in _tried_bands.setdefault(model, set()):
+        if band in forms:
             return
+        major = False
         if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
             forced = _forced_form()
-            shapes, gain = _tried(forward, band, repeats) if forced is None else (_in_form(forward, band, False), None)
+            gain = _tried(forward, band, repeats) if forced is None else None
             major = forced == "weight_major" or (gain is not None and gain >= WEIGHT_MAJOR_MIN_GAIN)
-            for out_features, in_features in shapes:
-                _few_row_forms.setdefault((out_features, in_features, band), major)
             log.info("fp32 products of up to %d rows take the %s form (%s)", band, "W x^T" if major else "x W^T",
                      f"${FEW_ROW_FORM_ENV}" if forced else f"the model ran {gain:.2f}x as fast in W x^T")
-        _tried_bands[model].add(band)
+        forms[band] = major
 
 
-def _tried(forward: Callable[[int], object], band: int, repeats: int) -> tuple[set[tuple[int, int]], float]:
-    """The weight shapes ``forward(band)`` met, and the median over rounds of its time in
-    x W^T ÷ its time in W x^T (a ratio per round: a burst of other work on the machine
-    slows one round's pair, not the decision). After the warm round, as many rounds as fit
-    in ``TRIAL_SECONDS``, at least one and at most ``repeats``: a larger model's trial
-    stays within a few of its steps."""
+def _tried(forward: Callable[[int], object], band: int, repeats: int) -> float:
+    """The median over rounds of ``forward(band)``'s time in x W^T ÷ its time in W x^T (a
+    ratio per round: a burst of other work on the machine slows one round's pair, not the
+    decision). After the warm round, as many rounds as fit in ``TRIAL_SECONDS``, at least
+    one and at most ``repeats``: a larger model's trial stays within a few of its steps."""
     ratios: list[float] = []
-    shapes: set[tuple[int, int]] = set()
     rounds = repeats + 1
     round_ = 0
     while round_ < rounds:
         seconds = {}
         for form in (True, False) if round_ % 2 == 0 else (False, True):
             start = time.perf_counter()
-            shapes |= _in_form(forward, band, form)
+            _in_form(forward, band, form)
             seconds[form] = time.perf_counter() - start
         if round_:
             ratios.append(seconds[False] / seconds[True])
         else:  # the first round warms both forms up, and sizes the trial
             rounds = 1 + max(1, min(repeats, int(TRIAL_SECONDS / (seconds[True] + seconds[False]))))
         round_ += 1
-    return shapes, statistics.median(ratios)
+    return statistics.median(ratios)
 
 
-def _in_form(forward: Callable[[int], object], band: int, form: bool) -> set[tuple[int, int]]:
-    """Run ``forward(band)`` with every few-row fp32 product in W x^T (``form``) or x W^T;
-    the weight shapes it met."""
-    _trial.form, _trial.shapes = form, set()
+def _in_form(forward: Callable[[int], object], band: int, form: bool) -> None:
+    """Run ``forward(band)`` with every few-row fp32 product on this thread in W x^T
+    (``form``) or x W^T."""
+    _trial.form = form
     try:
         with torch.no_grad():
             forward(band)
-        return cast(set[tuple[int, int]], _trial.shapes)
     finally:
         _trial.form = None
 
 
-def base_product(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def base_product(linear: nn.Linear, x: torch.Tensor, forms: Mapping[int, bool] | None = None) -> torch.Tensor:
     """``linear(x)``, in its faster form (``linear_product``)."""
-    return linear_product(linear.weight, linear.bias, x)
+    return linear_product(linear.weight, linear.bias, x, forms)
 
 
-def linear_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def linear_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+                   forms: Mapping[int, bool] | None = None) -> torch.Tensor:
     """``x Wᵀ + bias``, computed as W x^T when that is the faster form: then a transposed
     view (copying it back to rows would cost as much as the head's product saves; the
     low-rank ``addmm`` that follows writes a fresh tensor anyway)."""
-    if not weight_major(x, weight):
+    if not weight_major(x, weight, forms):
         return nn.functional.linear(x, weight, bias)
     return weight_major_product(x, weight, bias)
 

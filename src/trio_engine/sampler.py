@@ -616,15 +616,17 @@ def _decode(host: SamplingHost, tokens: torch.Tensor, mask: torch.Tensor, cache:
 
 
 def decide_product_forms(host: SamplingHost, rows: int, adapter: str | None) -> None:
-    """Before a pass of ``rows`` rows: the form of its few-row products, decided once per
-    band of rows by the model's own forward on that many one-token rows of ``adapter``
-    (``lora.decide_few_row_forms``), the head included, as a decode step runs them."""
+    """Before an inference pass of ``rows`` rows: the form of its few-row products, decided
+    once per band of rows by the model's own forward on that many one-token rows of
+    ``adapter`` (``lora.decide_few_row_forms``), the head included, as a decode step runs
+    them. Every inference pass calls it (prefill, decode, draw, the host's passes without
+    gradients), so a call's numbers do not depend on which pass came first."""
     def forward(band: int) -> None:
         ids = torch.zeros(band, 1, dtype=torch.long, device=host.device)
         with host.routing.route([adapter] * band):
             host.unembed(host.trunk(input_ids=ids, use_cache=False).last_hidden_state[:, -1])
 
-    lora.decide_few_row_forms(host.trunk, rows, forward)
+    lora.decide_few_row_forms(host.routing.few_row_forms, host.trunk, rows, forward)
 
 
 @functools.cache
@@ -644,6 +646,7 @@ def _trunk(host: SamplingHost, ids, mask, positions, cache: DynamicCache):
 
 
 def _logits(host: SamplingHost, hidden: torch.Tensor, adapters) -> torch.Tensor:
+    decide_product_forms(host, hidden.shape[0], adapters[0])
     with host.routing.route(adapters):
         return host.unembed(hidden).float()  # (R, V)
 

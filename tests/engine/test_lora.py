@@ -1,6 +1,6 @@
 """LoRA against a hand-written W0 + (α/r)·B·A, and multi-adapter batches against solo runs."""
 
-import weakref
+import threading
 
 import pytest
 import torch
@@ -47,13 +47,11 @@ def test_lora_linear_matches_formula():
 @pytest.fixture
 def weight_major_pays(monkeypatch):
     """This process's few-row fp32 products take W x^T, whatever this CPU measured."""
-    monkeypatch.setattr(lora, "weight_major_pays", lambda weight, rows: True)
+    monkeypatch.setattr(lora, "weight_major_pays", lambda rows, forms: True)
 
 
 @pytest.fixture
 def no_forms_decided(monkeypatch):
-    monkeypatch.setattr(lora, "_few_row_forms", {})
-    monkeypatch.setattr(lora, "_tried_bands", weakref.WeakKeyDictionary())
     monkeypatch.delenv(lora.FEW_ROW_FORM_ENV, raising=False)
 
 
@@ -92,7 +90,7 @@ def test_only_few_row_fp32_cpu_inference_takes_the_weight_major_form(weight_majo
 
 
 def test_a_cpu_where_the_weight_major_form_does_not_pay_keeps_the_usual_one(monkeypatch):
-    monkeypatch.setattr(lora, "weight_major_pays", lambda weight, rows: False)
+    monkeypatch.setattr(lora, "weight_major_pays", lambda rows, forms: False)
     with torch.no_grad():
         assert not weight_major(torch.zeros(2, 12), torch.zeros(7, 12))
         product = base_product(nn.Linear(12, 7), torch.zeros(2, 12))
@@ -101,81 +99,74 @@ def test_a_cpu_where_the_weight_major_form_does_not_pay_keeps_the_usual_one(monk
 
 def test_an_undecided_product_takes_the_usual_form(no_forms_decided):
     with torch.no_grad():
-        assert not weight_major(torch.zeros(2, 12), torch.zeros(7, 12))
+        assert not weight_major(torch.zeros(2, 12), torch.zeros(7, 12), {})
+        assert not weight_major(torch.zeros(2, 12), torch.zeros(7, 12), {8: True})  # band 2 undecided
 
 
 def _model(*shapes: tuple[int, int], dtype=torch.float32) -> nn.Module:
-    """A model of linears of ``shapes`` (out, in), and a forward that runs each on ``band`` rows."""
+    """A model of linears of ``shapes`` (out, in)."""
     return nn.ModuleList(nn.Linear(i, o, bias=False, dtype=dtype) for o, i in shapes)
 
 
-def _forward_of(model: nn.Module, calls: list | None = None):
+def _forward_of(model: nn.Module, forms: dict, calls: list | None = None):
+    """A forward that runs each of ``model``'s linears on ``band`` rows, in the forms ``forms`` decided."""
     def forward(band):
         if calls is not None:
             calls.append(band)
         for layer in model:
-            base_product(layer, torch.zeros(band, layer.in_features, dtype=layer.weight.dtype))
+            base_product(layer, torch.zeros(band, layer.in_features, dtype=layer.weight.dtype), forms)
     return forward
 
 
 @pytest.mark.parametrize("gain, major", [(1.3, True), (1.05, True), (1.04, False), (0.7, False)])
-def test_a_trial_decides_every_shape_it_met_for_its_band_of_rows(no_forms_decided, monkeypatch, gain, major):
-    model = _model((7, 12), (5, 7))
+def test_a_trial_decides_its_band_of_rows_for_its_model(no_forms_decided, monkeypatch, gain, major):
+    model, forms = _model((7, 12), (5, 7)), {}
     tried = []
-    monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: tried.append((band, repeats)) or
-                        (lora._in_form(forward, band, True), gain))
-    lora.decide_few_row_forms(model, 5, _forward_of(model))
-    lora.decide_few_row_forms(model, 8, _forward_of(model))  # the same band: decided once
+    monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: tried.append((band, repeats)) or gain)
+    lora.decide_few_row_forms(forms, model, 5, _forward_of(model, forms))
+    lora.decide_few_row_forms(forms, model, 8, _forward_of(model, forms))  # the same band: decided once
     assert tried == [(8, 5)]
-    assert lora._few_row_forms == {(7, 12, 8): major, (5, 7, 8): major}
+    assert forms == {8: major}
     with torch.no_grad():
-        assert weight_major(torch.zeros(6, 12), model[0].weight) is major
-        assert not weight_major(torch.zeros(9, 12), model[0].weight)  # band 16: undecided
-        assert not weight_major(torch.zeros(6, 12), torch.zeros(9, 12))  # a shape the trial did not meet
+        assert weight_major(torch.zeros(6, 12), model[0].weight, forms) is major
+        assert weight_major(torch.zeros(6, 7), model[1].weight, forms) is major
+        assert not weight_major(torch.zeros(9, 12), model[0].weight, forms)  # band 16: undecided
+        assert not weight_major(torch.zeros(6, 12), model[0].weight, {})  # another model's forms
 
 
-def test_each_band_has_a_trial_of_its_own_and_many_rows_none(no_forms_decided, monkeypatch):
-    model = _model((7, 12))
-    calls = []
+def test_each_band_has_a_trial_of_its_own_and_many_rows_none(no_forms_decided):
+    model, forms, calls = _model((7, 12)), {}, []
     for rows in (1, 2, 3, 8, 9, 16, 17, 64, 65, 600, 40):
-        lora.decide_few_row_forms(model, rows, _forward_of(model, calls), repeats=1)
+        lora.decide_few_row_forms(forms, model, rows, _forward_of(model, forms, calls), repeats=1)
     assert calls == [1] * 4 + [2] * 4 + [8] * 4 + [16] * 4 + [32] * 4 + [64] * 4  # 1 warm round + 1 timed, 2 forms
-    assert {band for _, _, band in lora._few_row_forms} == set(lora.FEW_ROW_BANDS)
+    assert set(forms) == set(lora.FEW_ROW_BANDS)
     assert lora.FEW_ROW_BANDS[-1] == WEIGHT_MAJOR_MAX_ROWS
 
 
 def test_a_model_off_fp32_or_off_the_cpu_has_no_trial(no_forms_decided):
     for model in (_model((7, 12), dtype=torch.bfloat16), _model((7, 12)).to("meta"), nn.Module()):
-        lora.decide_few_row_forms(model, 2, lambda band: pytest.fail("tried"))
-    assert lora._few_row_forms == {}
-
-
-def test_a_second_model_decides_its_own_shapes_and_leaves_the_first_ones(no_forms_decided, monkeypatch):
-    first, second = _model((7, 12)), _model((7, 12), (3, 7))
-    gains = iter([2.0, 0.5])
-    monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: (lora._in_form(forward, band, True), next(gains)))
-    lora.decide_few_row_forms(first, 2, _forward_of(first))
-    lora.decide_few_row_forms(second, 2, _forward_of(second))
-    assert lora._few_row_forms == {(7, 12, 2): True, (3, 7, 2): False}
+        forms: dict[int, bool] = {}
+        lora.decide_few_row_forms(forms, model, 2, lambda band: pytest.fail("tried"))
+        assert forms == {2: False}
 
 
 @pytest.mark.parametrize("form, major", [("weight_major", True), ("usual", False)])
 def test_the_environment_decides_the_form_without_timing(no_forms_decided, monkeypatch, form, major):
     monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, form)
     monkeypatch.setattr(lora, "_tried", lambda *a: pytest.fail("timed although the environment decides"))
-    model = _model((7, 12))
+    model, forms = _model((7, 12)), {}
     with torch.no_grad():
-        assert weight_major(torch.zeros(2, 12), model[0].weight) is major  # before any trial too
-    lora.decide_few_row_forms(model, 2, _forward_of(model))
-    assert lora._few_row_forms == {(7, 12, 2): major}
+        assert weight_major(torch.zeros(2, 12), model[0].weight, forms) is major  # before any trial too
+    lora.decide_few_row_forms(forms, model, 2, _forward_of(model, forms))
+    assert forms == {2: major}
 
 
 def test_an_empty_form_in_the_environment_times_a_trial(no_forms_decided, monkeypatch):
     monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, "")
-    monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: (lora._in_form(forward, band, True), 2.0))
-    model = _model((7, 12))
-    lora.decide_few_row_forms(model, 2, _forward_of(model))
-    assert lora._few_row_forms == {(7, 12, 2): True}
+    monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: 2.0)
+    model, forms = _model((7, 12)), {}
+    lora.decide_few_row_forms(forms, model, 2, _forward_of(model, forms))
+    assert forms == {2: True}
 
 
 def test_a_bad_form_in_the_environment_names_the_variable(no_forms_decided, monkeypatch):
@@ -184,22 +175,29 @@ def test_a_bad_form_in_the_environment_names_the_variable(no_forms_decided, monk
         weight_major(torch.zeros(2, 12), torch.zeros(7, 12))
 
 
-def test_in_a_trial_every_product_takes_its_form_and_the_shapes_are_met(no_forms_decided):
-    model = _model((7, 12), (5, 7), (7, 12))
-    seen = []
+def test_in_a_trial_every_product_on_its_thread_takes_its_form(no_forms_decided):
+    weight, decided = torch.zeros(7, 12), {8: True}
+    seen, elsewhere = [], []
+
+    def on_another_thread():
+        with torch.no_grad():
+            elsewhere.append(weight_major(torch.zeros(8, 12), weight, {}))
 
     def forward(band):
-        seen.append(weight_major(torch.zeros(band, 12), model[0].weight))
-        _forward_of(model)(band)
-        seen.append(torch.is_grad_enabled())
+        seen.append((weight_major(torch.zeros(band, 12), weight, {}), weight_major(torch.zeros(band, 12), weight, decided),
+                     torch.is_grad_enabled()))
+        thread = threading.Thread(target=on_another_thread)
+        thread.start()
+        thread.join()
 
-    assert lora._in_form(forward, 8, True) == {(7, 12), (5, 7)}
-    assert lora._in_form(forward, 8, False) == {(7, 12), (5, 7)}
-    assert seen == [True, False, False, False]
+    lora._in_form(forward, 8, True)
+    lora._in_form(forward, 8, False)
+    assert seen == [(True, True, False), (False, False, False)]
+    assert elsewhere == [False, False]  # another thread's products keep their own form
     with pytest.raises(RuntimeError), torch.no_grad():
         lora._in_form(lambda band: (_ for _ in ()).throw(RuntimeError()), 8, True)
     with torch.no_grad():
-        assert not weight_major(torch.zeros(2, 12), model[0].weight)  # the trial's form is gone after it
+        assert not weight_major(torch.zeros(2, 12), weight, {})  # the trial's form is gone after it
 
 
 def test_the_gain_is_the_median_rounds_usual_time_over_the_other(monkeypatch):
@@ -209,16 +207,14 @@ def test_the_gain_is_the_median_rounds_usual_time_over_the_other(monkeypatch):
     order, now = [], [0.0]
 
     def in_form(forward, band, form):
+        assert band == 8
         order.append(form)
         now[0] += next(elapsed[form])
-        return {(band, int(form))}
 
     monkeypatch.setattr(lora, "_in_form", in_form)
     monkeypatch.setattr(lora.time, "perf_counter", lambda: now[0])
-    shapes, gain = lora._tried(lambda band: None, 8, repeats=4)
+    assert lora._tried(lambda band: None, 8, repeats=4) == pytest.approx(2.5)  # the median of 3, 2, 9, 1
     assert order == [True, False, False, True, True, False, False, True, True, False]
-    assert gain == pytest.approx(2.5)  # the median of 3, 2, 9, 1
-    assert shapes == {(8, 1), (8, 0)}
 
 
 @pytest.mark.parametrize("warm_pair, timed_rounds", [(0.1, 5), (0.5, 4), (0.9, 2), (1.5, 1), (30.0, 1)])
@@ -229,7 +225,6 @@ def test_a_slower_model_has_fewer_timed_rounds(monkeypatch, warm_pair, timed_rou
     def in_form(forward, band, form):
         now[0] += warm_pair / 2 if len(pairs) < 2 else 0.1
         pairs.append(form)
-        return set()
 
     monkeypatch.setattr(lora, "_in_form", in_form)
     monkeypatch.setattr(lora.time, "perf_counter", lambda: now[0])
@@ -237,22 +232,43 @@ def test_a_slower_model_has_fewer_timed_rounds(monkeypatch, warm_pair, timed_rou
     assert len(pairs) == 2 * (1 + timed_rounds)
 
 
-def test_the_sampler_decides_the_forms_by_its_model_before_prefill_and_decode(no_forms_decided, monkeypatch,
-                                                                              tiny_host, new_id):
-    """A real trial on the tiny model: the trunk and the head on that many one-token rows
-    of the request's adapter, for the prefill's rows and the decode step's."""
+@pytest.fixture
+def fresh_forms(monkeypatch, tiny_host):
+    """The tiny host with no form decided, and its trials deciding W x^T (whatever this CPU measures)."""
+    monkeypatch.setattr(tiny_host.routing, "few_row_forms", {})
+    monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: lora._in_form(forward, band, True) or 2.0)
+    monkeypatch.delenv(lora.FEW_ROW_FORM_ENV, raising=False)
+    return tiny_host.routing.few_row_forms
+
+
+def test_the_sampler_decides_the_forms_before_prefill_decode_and_draw(fresh_forms, monkeypatch, tiny_host, new_id):
+    """The trial runs the trunk and the head on that many one-token rows of the request's
+    adapter, before the first pass of its band: the prompt's products already take W x^T."""
     aid = new_id()
     tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=0))
-    routed = []
-    real_route = tiny_host.routing.route
+    routed, major_rows = [], []
+    real_route, real_major = tiny_host.routing.route, lora.weight_major_product
     monkeypatch.setattr(tiny_host.routing, "route", lambda adapters, **k: routed.append(list(adapters)) or
                         real_route(adapters, **k))
+    monkeypatch.setattr(lora, "weight_major_product", lambda x, w, b: major_rows.append((x.numel() // x.shape[-1],
+                                                                                         w.shape)) or real_major(x, w, b))
     tiny_host.sample([SampleRequest(aid, list(range(5, 15)), 3, SamplingConfig(max_tokens=2, seed=0))])
-    # the prompt's 10 rows (prefilled once for its 3 samples), then the 3 rows decoding
-    assert {band for _, _, band in lora._few_row_forms} == {16, 8}
-    assert routed.count([aid] * 16) == routed.count([aid] * 8) == 12  # a warm round and 5 timed, in both forms
-    head = tiny_host.model.get_output_embeddings().weight
-    assert (*head.shape, 8) in lora._few_row_forms and (*head.shape, 16) in lora._few_row_forms
+    # the prompt's 10 rows (prefilled once for its 3 samples), then 3 rows: drawn, decoded
+    assert fresh_forms == {16: True, 8: True}
+    assert routed.count([aid] * 16) == routed.count([aid] * 8) == 1  # a trial's forward each
+    head = tiny_host.model.get_output_embeddings().weight.shape
+    assert {(10, (64, 64)), (3, (64, 64))} <= set(major_rows)
+    assert major_rows.count((3, head)) == 2  # both draws, the first one too
+
+
+def test_a_call_gives_the_same_numbers_before_and_after_a_sample_decided_its_forms(fresh_forms, tiny_host, new_id):
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=0))
+    tokens = [5, 17, 300, 42, 9, 11]
+    before = tiny_host.compute_logprobs(aid, tokens)
+    assert fresh_forms == {8: True}  # compute_logprobs ran its own trial first
+    tiny_host.sample([SampleRequest(aid, tokens, 2, SamplingConfig(max_tokens=3, seed=0))])
+    assert tiny_host.compute_logprobs(aid, tokens) == before
 
 
 def test_new_adapter_changes_nothing(tiny_host, new_id):
