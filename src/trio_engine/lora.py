@@ -614,7 +614,7 @@ def decide_few_row_forms(forms: dict[int, bool], model: nn.Module, rows: int, fo
     round); 12 forwards, 0.5 to 2.5 s on the bundled model (1 to 64 rows), fewer on a model
     whose forwards take longer (``TRIAL_SECONDS``). ``$TRIO_FEW_ROW_FORM`` decides without
     timing; a model off fp32 or off the CPU has nothing to decide."""
-    if rows > WEIGHT_MAJOR_MAX_ROWS:
+    if rows > WEIGHT_MAJOR_MAX_ROWS or getattr(_trial, "form", None) is not None:  # no trial within a trial
         return
     band = few_row_band(rows)
     if band in forms:  # no lock on the decode path's every step

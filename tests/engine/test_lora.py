@@ -16,6 +16,7 @@ from trio_engine import (
     lora,
 )
 from trio_engine.lora import WEIGHT_MAJOR_MAX_ROWS, LoRALinear, Routing, base_product, weight_major
+from trio_engine.sampler import PrefixCache
 
 from .helpers import plain_model, randomize_adapter, reference_logprobs
 
@@ -198,6 +199,38 @@ def test_in_a_trial_every_product_on_its_thread_takes_its_form(no_forms_decided)
         lora._in_form(lambda band: (_ for _ in ()).throw(RuntimeError()), 8, True)
     with torch.no_grad():
         assert not weight_major(torch.zeros(2, 12), weight, {})  # the trial's form is gone after it
+
+
+def test_a_pass_within_a_trial_runs_no_trial_of_its_own(no_forms_decided):
+    """A trial's forward that reaches another decision point returns at once (the lock is not
+    re-entrant: it would wait for itself)."""
+    model, forms, inner = _model((7, 12)), {}, {}
+
+    def forward(band):
+        lora.decide_few_row_forms(inner, model, 2, lambda band: pytest.fail("tried within a trial"))
+
+    thread = threading.Thread(target=lora.decide_few_row_forms, args=(forms, model, 8, forward), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and 8 in forms and inner == {}
+
+
+def test_a_trial_leaves_the_sampled_tokens_as_they_were(monkeypatch, tiny_host, new_id):
+    """A trial that keeps x W^T samples exactly what a host with every band decided does."""
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=0))
+    request = SampleRequest(aid, list(range(5, 15)), 3, SamplingConfig(max_tokens=4, seed=0), prompt_logprobs=True)
+    monkeypatch.delenv(lora.FEW_ROW_FORM_ENV, raising=False)
+    monkeypatch.setattr(tiny_host.routing, "few_row_forms", dict.fromkeys(lora.FEW_ROW_BANDS, False))
+    monkeypatch.setattr(tiny_host, "prefix_cache", PrefixCache())
+    decided = tiny_host.sample([request])
+    tiny_host.prefix_cache = PrefixCache()  # the same prefill again, not a cached prompt
+    tried = []
+    monkeypatch.setattr(tiny_host.routing, "few_row_forms", {})
+    monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: tried.append(band) or
+                        lora._in_form(forward, band, True) or lora._in_form(forward, band, False) or 0.5)
+    assert tiny_host.sample([request]) == decided
+    assert tried == [16, 8]
 
 
 def test_the_gain_is_the_median_rounds_usual_time_over_the_other(monkeypatch):
