@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from pytrio import types as t
 from pytrio.errors import describe_validation_error
@@ -151,8 +152,8 @@ def create_app(core: ServiceCore, auth: bool = True, max_body_bytes: int | None 
 
     @app.get("/api/v1/checkpoints/archive")
     def checkpoint_archive(path: str, request: Request) -> FileResponse:
-        archive = core.checkpoint_archive(user(request), path)
-        return FileResponse(archive, media_type="application/x-tar", filename=archive.name)
+        link, name = core.checkpoint_archive(user(request), path)
+        return _LinkResponse(link, media_type="application/x-tar", filename=name)
 
     @app.get("/console", include_in_schema=False)
     @app.get("/console/{name}", include_in_schema=False)
@@ -179,6 +180,18 @@ def _add_submit_route(app: FastAPI, core: ServiceCore, op: str, model: type[Base
     submit.__annotations__["body"] = model  # a real class, not the postponed string
     submit.__annotations__["request"] = Request
     app.post(f"/api/v1/{op}", summary=f"Submit {op}", response_model=t.SubmitResponse)(submit)
+
+
+class _LinkResponse(FileResponse):
+    """A file served from a link of the response's own (``checkpoints.served_link``), which
+    goes once the response ends, sent whole or not: a download cut short must not keep a
+    deleted checkpoint's archive on disk."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            Path(self.path).unlink(missing_ok=True)
 
 
 class BodyLimit:

@@ -20,6 +20,7 @@ import os
 import re
 import tarfile
 import threading
+import uuid
 from pathlib import Path
 
 from .errors import ServiceError
@@ -94,6 +95,26 @@ def folder_size(folder: Path) -> int:
 def archive_file(out_dir: Path, run_id: str, kind: str, name: str) -> Path:
     """Where ``archive`` keeps a checkpoint's archive."""
     return out_dir / f"{run_id}-{kind}-{name}.tar"
+
+
+SERVED_PREFIX = ".serving-"  # a download's own link to an archive (``served_link``)
+
+
+def served_link(archive: Path) -> Path:
+    """A link of the download's own to ``archive`` (the same file, no copy), which the
+    caller unlinks once it has sent it. A delete or TTL sweep of the checkpoint unlinks
+    the archive's name while downloads of it may be under way; the file lives on for as
+    long as a link to it does, so they still send it whole. Without it a sweep between a
+    response's stat and its open sent a Content-Length and then no bytes. Links left by a
+    crash go at the next start (``remove_served_links``)."""
+    link = archive.with_name(f"{SERVED_PREFIX}{uuid.uuid4().hex}-{archive.name}")
+    os.link(archive, link)
+    return link
+
+
+def remove_served_links(out_dir: Path) -> None:
+    for link in out_dir.glob(f"{SERVED_PREFIX}*"):
+        link.unlink(missing_ok=True)
 
 
 _BUILDERS = [threading.Lock() for _ in range(64)]  # an archive's builder holds its path's (striped: bounded)

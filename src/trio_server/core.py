@@ -264,6 +264,7 @@ class ServiceCore:
         from trio_engine.checkpoint import recover_folders
 
         recover_folders(self.data_dir / "checkpoints")  # a checkpoint write the crash interrupted
+        ckpt.remove_served_links(self.data_dir / "archives")  # downloads the crash cut short
         snapshot.remove_partial_writes(self.engine_settings.snapshot_dir)
         remove_expired_checkpoints(self.store, self.data_dir)  # after: a recovered folder of one goes too
         # Calls since a run's last step: their gradients were in the crashed process's memory,
@@ -827,13 +828,16 @@ class ServiceCore:
             raise not_found(f"checkpoint {path!r}")
         return _checkpoint_of(row | {"expires_at": expires_at})
 
-    def checkpoint_archive(self, user_id: str, path: str) -> Path:
-        """A tar archive of the checkpoint folder (built once, then served with ranges)."""
+    def checkpoint_archive(self, user_id: str, path: str) -> tuple[Path, str]:
+        """A tar archive of the checkpoint folder (built once, then served with ranges): a
+        link to it that the caller unlinks once sent (``checkpoints.served_link``), and
+        the archive's name."""
         row = self._checkpoint(user_id, path)
         folder = self.checkpoint_dir(row["run_id"], row["kind"], row["name"])
         try:
-            return ckpt.archive(folder, self.data_dir / "archives")
-        except FileNotFoundError:  # deleted (or swept) while its archive was built
+            archive = ckpt.archive(folder, self.data_dir / "archives")
+            return ckpt.served_link(archive), archive.name
+        except FileNotFoundError:  # deleted (or swept) while its archive was built or linked
             raise not_found(f"checkpoint {path!r}") from None
 
     def close(self) -> None:

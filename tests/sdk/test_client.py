@@ -13,6 +13,8 @@ import torch
 
 import pytrio as trio
 
+from ..polling import wait_until
+
 MODEL = "trio/tiny-llama"
 TOKENS = [1, 17, 300, 42, 9, 77, 5, 1024, 31, 8]
 
@@ -250,6 +252,7 @@ def test_rest_client(service, tmp_path, request):
     assert into.parent == tmp_path / "new" and into.name == archive.name
     archives = _core_of(request).data_dir / "archives"
     assert any(p.name.startswith(tc.model_id) for p in archives.iterdir())  # built for the download
+    wait_until(lambda: not list(archives.glob(".serving-*")), "each download's own link gone with it")
     rest.delete_checkpoint(path)
     assert rest.list_checkpoints(tc.model_id) == []
     assert not any(p.name.startswith(tc.model_id) for p in archives.iterdir())  # and removed with it

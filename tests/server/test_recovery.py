@@ -282,6 +282,8 @@ def test_interrupted_download_resumes_with_a_range_request(archive_server, tmp_p
     assert target.read_bytes() == full
     assert [p.name for p in dest.iterdir()] == [target.name]  # the partial file became the target
     assert srv.seen == [(f"bytes={cut}-", 206, len(full) - cut)]  # only the rest was sent
+    # each response's own link to the archive went with it, the one cut short too
+    wait_until(lambda: not list((srv.core.data_dir / "archives").glob(".serving-*")), "no download's link left")
 
 
 def test_download_cut_after_the_last_byte_completes_on_the_next_call(archive_server, tmp_path):
@@ -329,6 +331,44 @@ def test_resume_after_the_checkpoint_was_replaced_gives_the_new_archive(archive_
 
     resumed = rest.download_checkpoint_archive(path, dest=dest, progress=False)
     assert resumed.read_bytes() == new_bytes
+
+
+def test_a_download_whose_checkpoint_is_deleted_as_it_starts_sends_it_whole(archive_server, tmp_path,
+                                                                             monkeypatch):
+    """A delete (or TTL sweep) unlinked the archive between the route finding it and the
+    response opening it: a Content-Length, then no bytes. The download's own link keeps
+    the file, and goes with the response; the checkpoint is gone for the next one."""
+    import tarfile
+
+    srv = archive_server
+    svc = trio.ServiceClient(base_url=srv.url, api_key=srv.key)
+    path = svc.create_lora_training_client(base_model=MODEL, rank=8, seed=3).save_state("doomed").result().path
+    real = srv.core.checkpoint_archive
+
+    def deleted_as_it_starts(user_id: str, archived: str):
+        served = real(user_id, archived)
+        srv.core.delete_checkpoint(user_id, archived)
+        return served
+
+    monkeypatch.setattr(srv.core, "checkpoint_archive", deleted_as_it_starts)
+    rest = svc.create_rest_client()
+    target = rest.download_checkpoint_archive(path, dest=tmp_path, progress=False)
+    with tarfile.open(target) as tar:
+        assert any(name.endswith(".safetensors") for name in tar.getnames())
+    archives = srv.core.data_dir / "archives"
+    wait_until(lambda: not list(archives.glob(".serving-*")), "the download's link removed after it")
+    monkeypatch.undo()
+    with pytest.raises(trio.NotFoundError):
+        rest.download_checkpoint_archive(path, dest=tmp_path / "again", progress=False)
+
+
+def test_links_of_downloads_a_crash_cut_short_go_at_the_next_start(tmp_path):
+    archives = tmp_path / "archives"
+    archives.mkdir()
+    (archives / ".serving-0123-run-a-weights-w.tar").write_bytes(b"left by a crash")
+    (archives / "run-a-weights-w.tar").write_bytes(b"an archive")
+    ServiceCore(tmp_path, dtype="float32").close()
+    assert [p.name for p in archives.iterdir()] == ["run-a-weights-w.tar"]
 
 
 def test_concurrent_downloads_of_one_archive_each_get_the_whole_archive(tmp_path):

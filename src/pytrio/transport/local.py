@@ -116,9 +116,12 @@ class LocalTransport:
                           {"ttl_seconds": ttl_seconds})
 
     async def download_checkpoint(self, path: str, dest: Path, progress: bool) -> Path:
-        archive = self._call(self.core.checkpoint_archive, self.user_id, path)
-        target = dest / archive.name if dest.is_dir() else dest
-        shutil.copyfile(archive, target)
+        link, name = self._call(self.core.checkpoint_archive, self.user_id, path)
+        target = dest / name if dest.is_dir() else dest
+        try:
+            shutil.copyfile(link, target)
+        finally:
+            link.unlink(missing_ok=True)
         return target
 
     async def close(self) -> None:
