@@ -571,7 +571,13 @@ WEIGHT_MAJOR_MIN_GAIN = 1.05  # a trial's noise (the median of 5 rounds' ratios)
 FEW_ROW_FORM_ENV = "TRIO_FEW_ROW_FORM"  # "weight_major" or "usual": decide without a trial
 TRIAL_SECONDS = 2.0  # the timed rounds of one band's trial, at most (``_tried``)
 _few_row_form_lock = threading.Lock()
-_trial = threading.local()  # .form during a trial on this thread: the form every product takes
+
+
+class _Trial(threading.local):
+    form: bool | None = None  # during a trial on this thread: the form every product takes
+
+
+_trial = _Trial()
 
 
 def weight_major(x: torch.Tensor, weight: torch.Tensor, forms: Mapping[int, bool] | None = None) -> bool:
@@ -586,9 +592,8 @@ def weight_major(x: torch.Tensor, weight: torch.Tensor, forms: Mapping[int, bool
 def weight_major_pays(rows: int, forms: Mapping[int, bool] | None) -> bool:
     """Whether W x^T is the form at ``rows`` rows: the trial's, while one runs on this
     thread; else as ``forms`` decided; else as ``$TRIO_FEW_ROW_FORM`` says (x W^T unset)."""
-    form = getattr(_trial, "form", None)
-    if form is not None:
-        return cast(bool, form)
+    if _trial.form is not None:
+        return _trial.form
     decided = forms.get(few_row_band(rows)) if forms else None
     return decided if decided is not None else _forced_form() == "weight_major"
 
@@ -614,7 +619,7 @@ def decide_few_row_forms(forms: dict[int, bool], model: nn.Module, rows: int, fo
     round); 12 forwards, 0.5 to 2.5 s on the bundled model (1 to 64 rows), fewer on a model
     whose forwards take longer (``TRIAL_SECONDS``). ``$TRIO_FEW_ROW_FORM`` decides without
     timing; a model off fp32 or off the CPU has nothing to decide."""
-    if rows > WEIGHT_MAJOR_MAX_ROWS or getattr(_trial, "form", None) is not None:  # no trial within a trial
+    if rows > WEIGHT_MAJOR_MAX_ROWS or _trial.form is not None:  # no trial within a trial
         return
     band = few_row_band(rows)
     if band in forms:  # no lock on the decode path's every step

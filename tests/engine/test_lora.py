@@ -52,7 +52,7 @@ def weight_major_pays(monkeypatch):
 
 
 @pytest.fixture
-def no_forms_decided(monkeypatch):
+def no_form_in_environment(monkeypatch):
     monkeypatch.delenv(lora.FEW_ROW_FORM_ENV, raising=False)
 
 
@@ -98,7 +98,7 @@ def test_a_cpu_where_the_weight_major_form_does_not_pay_keeps_the_usual_one(monk
     assert product.is_contiguous()  # nn.Linear's own layout
 
 
-def test_an_undecided_product_takes_the_usual_form(no_forms_decided):
+def test_an_undecided_product_takes_the_usual_form(no_form_in_environment):
     with torch.no_grad():
         assert not weight_major(torch.zeros(2, 12), torch.zeros(7, 12), {})
         assert not weight_major(torch.zeros(2, 12), torch.zeros(7, 12), {8: True})  # band 2 undecided
@@ -120,7 +120,7 @@ def _forward_of(model: nn.Module, forms: dict, calls: list | None = None):
 
 
 @pytest.mark.parametrize("gain, major", [(1.3, True), (1.05, True), (1.04, False), (0.7, False)])
-def test_a_trial_decides_its_band_of_rows_for_its_model(no_forms_decided, monkeypatch, gain, major):
+def test_a_trial_decides_its_band_of_rows_for_its_model(no_form_in_environment, monkeypatch, gain, major):
     model, forms = _model((7, 12), (5, 7)), {}
     tried = []
     monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: tried.append((band, repeats)) or gain)
@@ -135,7 +135,7 @@ def test_a_trial_decides_its_band_of_rows_for_its_model(no_forms_decided, monkey
         assert not weight_major(torch.zeros(6, 12), model[0].weight, {})  # another model's forms
 
 
-def test_each_band_has_a_trial_of_its_own_and_many_rows_none(no_forms_decided):
+def test_each_band_has_a_trial_of_its_own_and_many_rows_none(no_form_in_environment):
     model, forms, calls = _model((7, 12)), {}, []
     for rows in (1, 2, 3, 8, 9, 16, 17, 64, 65, 600, 40):
         lora.decide_few_row_forms(forms, model, rows, _forward_of(model, forms, calls), repeats=1)
@@ -144,7 +144,7 @@ def test_each_band_has_a_trial_of_its_own_and_many_rows_none(no_forms_decided):
     assert lora.FEW_ROW_BANDS[-1] == WEIGHT_MAJOR_MAX_ROWS
 
 
-def test_a_model_off_fp32_or_off_the_cpu_has_no_trial(no_forms_decided):
+def test_a_model_off_fp32_or_off_the_cpu_has_no_trial(no_form_in_environment):
     for model in (_model((7, 12), dtype=torch.bfloat16), _model((7, 12)).to("meta"), nn.Module()):
         forms: dict[int, bool] = {}
         lora.decide_few_row_forms(forms, model, 2, lambda band: pytest.fail("tried"))
@@ -152,7 +152,7 @@ def test_a_model_off_fp32_or_off_the_cpu_has_no_trial(no_forms_decided):
 
 
 @pytest.mark.parametrize("form, major", [("weight_major", True), ("usual", False)])
-def test_the_environment_decides_the_form_without_timing(no_forms_decided, monkeypatch, form, major):
+def test_the_environment_decides_the_form_without_timing(no_form_in_environment, monkeypatch, form, major):
     monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, form)
     monkeypatch.setattr(lora, "_tried", lambda *a: pytest.fail("timed although the environment decides"))
     model, forms = _model((7, 12)), {}
@@ -162,7 +162,7 @@ def test_the_environment_decides_the_form_without_timing(no_forms_decided, monke
     assert forms == {2: major}
 
 
-def test_an_empty_form_in_the_environment_times_a_trial(no_forms_decided, monkeypatch):
+def test_an_empty_form_in_the_environment_times_a_trial(no_form_in_environment, monkeypatch):
     monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, "")
     monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: 2.0)
     model, forms = _model((7, 12)), {}
@@ -170,13 +170,13 @@ def test_an_empty_form_in_the_environment_times_a_trial(no_forms_decided, monkey
     assert forms == {2: True}
 
 
-def test_a_bad_form_in_the_environment_names_the_variable(no_forms_decided, monkeypatch):
+def test_a_bad_form_in_the_environment_names_the_variable(no_form_in_environment, monkeypatch):
     monkeypatch.setenv(lora.FEW_ROW_FORM_ENV, "fast")
     with pytest.raises(ValueError, match="TRIO_FEW_ROW_FORM.*'fast'"), torch.no_grad():
         weight_major(torch.zeros(2, 12), torch.zeros(7, 12))
 
 
-def test_in_a_trial_every_product_on_its_thread_takes_its_form(no_forms_decided):
+def test_in_a_trial_every_product_on_its_thread_takes_its_form(no_form_in_environment):
     weight, decided = torch.zeros(7, 12), {8: True}
     seen, elsewhere = [], []
 
@@ -201,7 +201,7 @@ def test_in_a_trial_every_product_on_its_thread_takes_its_form(no_forms_decided)
         assert not weight_major(torch.zeros(2, 12), weight, {})  # the trial's form is gone after it
 
 
-def test_a_pass_within_a_trial_runs_no_trial_of_its_own(no_forms_decided):
+def test_a_pass_within_a_trial_runs_no_trial_of_its_own(no_form_in_environment):
     """A trial's forward that reaches another decision point returns at once (the lock is not
     re-entrant: it would wait for itself)."""
     model, forms, inner = _model((7, 12)), {}, {}
