@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +86,22 @@ class ForwardResult:
     active_tokens: float = 0.0  # tokens of non-zero weight: what the ":mean" metrics average over
 
 
+DEFAULT_MERGE_BYTES = 2 << 30  # the bundled model's fp32 copy is 540 MB
+
+
+def _merge_budget(merge_bytes: int | None) -> int:
+    """``ModelHost``'s ``merge_bytes``, else ``$TRIO_MERGE_BYTES``, else the default."""
+    if merge_bytes is not None:
+        return merge_bytes
+    text = os.environ.get("TRIO_MERGE_BYTES") or None
+    if text is None:
+        return DEFAULT_MERGE_BYTES
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"TRIO_MERGE_BYTES: {text!r} is not a whole number of bytes") from None
+
+
 def merge_results(parts: list[ForwardResult]) -> ForwardResult:
     """One job's result from the results of its data's consecutive parts, run separately.
 
@@ -125,6 +142,11 @@ class ModelHost:
             included where it is padded).
         device: ``"auto" | "cpu" | "cuda" | "cuda:N"`` or a torch.device. None:
             ``$TRIO_DEVICE``, else ``"auto"`` (CUDA when available).
+        prefix_cache_bytes: the sampler's KV prefix cache's bound.
+        merge_bytes: the most memory a copy of the adapted layers' weights merged with
+            one adapter may take, which long fp32 decode batches of one adapter run on
+            (``lora.Routing.merging``); 0 turns merging off. None: ``$TRIO_MERGE_BYTES``,
+            else ``DEFAULT_MERGE_BYTES``.
 
     Raises:
         ValueError: an unknown or unavailable device, or an unknown dtype name.
@@ -144,6 +166,7 @@ class ModelHost:
         max_batch_tokens: int = 4096,
         device: str | torch.device | None = None,
         prefix_cache_bytes: int = 256 << 20,
+        merge_bytes: int | None = None,
     ):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -156,6 +179,7 @@ class ModelHost:
         in_text = text_forward_filter(self.model)  # a vision tower is neither adapted nor loaded
         self.outside_text = frozenset(name for name, _ in self.model.named_modules() if not in_text(name))
         self.routing = lora.install(self.model, self.family.all_targets(), self.family.siblings, within=in_text)
+        self.routing.may_merge = lora.mergeable(self.model, _merge_budget(merge_bytes))
         self.trunk = self.model.get_decoder()
         # the one place logits are made, trainer and sampler alike: lm_head + family transform
         self.unembed = Head(self.model.get_output_embeddings(), self.family.transform(self.model.config))

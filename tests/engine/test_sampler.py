@@ -17,6 +17,7 @@ from trio_engine import (
     SampleRequest,
     SamplingConfig,
 )
+from trio_engine import lora
 from trio_engine.kv_cache import MIN_ROOM, GrowingCache, GrowingLayer
 
 from .helpers import (
@@ -194,6 +195,74 @@ def test_mixed_adapters_and_requests_equal_solo(tiny_host, adapted):
         alone = tiny_host.sample([req])[0]
         assert [s.tokens for s in got.sequences] == [s.tokens for s in alone.sequences]
     assert together[0].sequences[0].tokens != together[2].sequences[0].tokens  # the adapter matters
+
+
+# -- merged weights: a long decode batch of one adapter runs on W0 + s·B·A ---------------------
+
+
+def merged_to(host) -> set[int]:
+    """The ids of the A tensors the host's layers hold merged weights of."""
+    return {id(m._merged[0][0]) for _, m in lora.lora_modules(host.model)
+            if isinstance(m, lora.LoRALinear) and m._merged is not None}
+
+
+@pytest.mark.parametrize("config", [LoraConfig(rank=4, seed=1), LoraConfig(rank=4, seed=1, train_attn=False)],
+                         ids=["every-layer", "mlp-and-head"])
+def test_a_long_one_adapter_batch_samples_as_the_model_merged_by_hand(tiny_host, new_id, monkeypatch, config):
+    """A batch whose every row uses one adapter and has ``MERGE_MIN_STEPS`` tokens to go
+    decodes on merged weights (made here, not before): its greedy tokens and logprobs are a
+    plain transformers model's with the adapter merged by hand; after the adapter's weights
+    change in place (as an optimizer step changes them) they are remade, and they go with
+    the adapter. A layer the adapter skips keeps its base weights."""
+    from trio_engine import sampler
+
+    monkeypatch.setattr(sampler, "MERGE_MIN_STEPS", 12)
+    aid = new_id("merged")
+    tiny_host.create_adapter(aid, config)
+    a_tensors = {id(t) for name, t in tiny_host.adapter_params(aid).items() if name.endswith("lora_A")}
+    greedy = lambda n: SamplingConfig(max_tokens=n, temperature=0.0)  # noqa: E731
+    try:
+        for b_seed in (5, 6):
+            randomize_adapter(tiny_host, aid, seed=b_seed, scale=0.2)
+            if b_seed == 5:
+                tiny_host.sample([SampleRequest(aid, PROMPTS[1], 2, greedy(11))])
+                assert not merged_to(tiny_host) & a_tensors  # 11 steps to go: not worth a merge
+            model = merged_model(tiny_host, aid)
+            for prompt, result in zip(PROMPTS, tiny_host.sample([SampleRequest(aid, p, 2, greedy(12)) for p in PROMPTS])):
+                want = greedy_reference(model, prompt, 12)
+                for seq in result.sequences:
+                    assert seq.tokens == want
+                    ref_lp = reference_logprobs(model, prompt + want[:-1], prompt[1:] + want)[-12:]
+                    torch.testing.assert_close(torch.tensor(seq.logprobs), ref_lp, atol=1e-4, rtol=1e-4)
+            assert merged_to(tiny_host) == a_tensors  # every layer of the adapter, and only those
+        # the decode passes read the merged copy: made the base weights, it samples otherwise
+        for _, layer in lora.lora_modules(tiny_host.model):
+            if isinstance(layer, lora.LoRALinear) and layer._merged is not None:
+                layer._merged[1].copy_(layer.base.weight)
+        result = tiny_host.sample([SampleRequest(aid, PROMPTS[2], 1, greedy(12))])[0]
+        assert result.sequences[0].tokens != greedy_reference(model, PROMPTS[2], 12)
+    finally:
+        tiny_host.delete_adapter(aid)
+    assert not merged_to(tiny_host)  # the copy went with the adapter
+
+
+def test_only_fp32_layers_within_the_budget_merge(tiny_host):
+    from trio_engine import TINY_LLAMA, ModelHost
+
+    weights = sum(m.base.weight.numel() * 4 for _, m in lora.lora_modules(tiny_host.model)
+                  if isinstance(m, lora.LoRALinear))
+    assert tiny_host.routing.may_merge  # the default budget
+    assert lora.mergeable(tiny_host.model, weights) and not lora.mergeable(tiny_host.model, weights - 1)
+    assert not ModelHost(TINY_LLAMA, dtype="bfloat16").routing.may_merge
+    assert not ModelHost(TINY_LLAMA, dtype="float32", merge_bytes=0).routing.may_merge
+
+
+def test_a_bad_merge_budget_in_the_environment_is_named(monkeypatch):
+    from trio_engine import TINY_LLAMA, ModelHost
+
+    monkeypatch.setenv("TRIO_MERGE_BYTES", "2GB")
+    with pytest.raises(ValueError, match="TRIO_MERGE_BYTES: '2GB'"):
+        ModelHost(TINY_LLAMA, dtype="float32")
 
 
 def test_seed_reproduces_and_varies(tiny_host):
@@ -485,7 +554,7 @@ def test_a_sample_request_at_the_edge_of_every_bound_is_valid(changes):
     (SamplingConfig(temperature=1.0, top_k=2), {0, 1}),
     (SamplingConfig(temperature=1.0, top_p=0.7), {0, 1}),
 ])
-@pytest.mark.parametrize("draw, width", [("_inverse_cdf", 1), ("_exponential_race", 5)])
+@pytest.mark.parametrize("draw, width", [("_inverse_cdf", 1), ("_exponential_race", None)])
 def test_draws_follow_the_filtered_distribution(cfg, allowed, draw, width):
     """Empirical frequencies of draws (inverse CDF, exponential race) match softmax of the
     filtered logits."""
@@ -493,13 +562,33 @@ def test_draws_follow_the_filtered_distribution(cfg, allowed, draw, width):
     from trio_engine.sampler import filtered_probs
 
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]])).repeat(20_000, 1)
-    u = torch.rand(20_000, width, generator=torch.Generator().manual_seed(0))
-    draws = getattr(sampler, draw)(filtered_probs(logits, cfg), u)
+    generator = torch.Generator().manual_seed(0)
+    uniform = lambda width: torch.rand(20_000, width, generator=generator)  # noqa: E731
+    draws = getattr(sampler, draw)(filtered_probs(logits, cfg), uniform if width is None else uniform(width))
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
     mask = torch.tensor([k in allowed for k in range(5)])
     expected = torch.where(mask, probs, 0) / probs[mask].sum()
     freq = torch.bincount(draws, minlength=5).float() / len(draws)
     assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
+
+
+def test_the_race_draws_across_blocks_of_the_vocabulary_in_proportion():
+    """Tokens at both ends of blocks, and in a last block the padding fills, are drawn as
+    often as their probabilities say (a block's race weighs its mass, its index places it)."""
+    from trio_engine import sampler
+
+    vocab, rows = 3 * sampler.RACE_BLOCK + 90, 40_000
+    chosen = {0: 0.2, 255: 0.15, 256: 0.25, 700: 0.1, vocab - 1: 0.2}
+    probs = torch.full((vocab,), 0.1 / (vocab - len(chosen)))
+    for token, p in chosen.items():
+        probs[token] = p
+    generator = torch.Generator().manual_seed(0)
+    draws = sampler._exponential_race(probs.repeat(rows, 1), lambda n: torch.rand(rows, n, generator=generator))
+    freq = torch.bincount(draws, minlength=vocab).float() / rows
+    assert len(freq) == vocab  # every draw in the vocabulary, none in the padding
+    for token, p in chosen.items():
+        assert abs(float(freq[token]) - p) < 0.01, (token, float(freq[token]), p)
+    assert abs(float(freq.sum() - sum(freq[t] for t in chosen)) - 0.1) < 0.01  # the rest, together
 
 
 @pytest.mark.parametrize("rows", [1, 3])
