@@ -102,6 +102,15 @@ def _merge_budget(merge_bytes: int | None) -> int:
         raise ValueError(f"TRIO_MERGE_BYTES: {text!r} is not a whole number of bytes") from None
 
 
+def _packs_weights() -> bool:
+    """Whether inference products may read packed weights (``lora.PackedWeights``):
+    ``$TRIO_PACK_WEIGHTS`` ``0`` turns it off, ``1`` (the default) on where it works."""
+    text = os.environ.get("TRIO_PACK_WEIGHTS") or "1"
+    if text not in ("0", "1"):
+        raise ValueError(f"TRIO_PACK_WEIGHTS: {text!r} is not 0 or 1")
+    return text == "1"
+
+
 def merge_results(parts: list[ForwardResult]) -> ForwardResult:
     """One job's result from the results of its data's consecutive parts, run separately.
 
@@ -180,6 +189,7 @@ class ModelHost:
         self.outside_text = frozenset(name for name, _ in self.model.named_modules() if not in_text(name))
         self.routing = lora.install(self.model, self.family.all_targets(), self.family.siblings, within=in_text)
         self.routing.may_merge = lora.mergeable(self.model, _merge_budget(merge_bytes))
+        self.routing.packed.enabled = _packs_weights() and lora.PackedWeights.works(self.dtype, self.device)
         self.trunk = self.model.get_decoder()
         # the one place logits are made, trainer and sampler alike: lm_head + family transform
         self.unembed = Head(self.model.get_output_embeddings(), self.family.transform(self.model.config))

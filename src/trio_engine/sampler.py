@@ -644,6 +644,9 @@ def decide_product_forms(host: SamplingHost, rows: int, adapter: str | None) -> 
     ``adapter`` (``lora.decide_few_row_forms``), the head included, as a decode step runs
     them. Every inference pass calls it (prefill, decode, draw, the host's passes without
     gradients), so a call's numbers do not depend on which pass came first."""
+    if host.routing.packed.enabled:  # its products read packed weights, whatever the form
+        return
+
     def forward(band: int) -> None:
         ids = torch.zeros(band, 1, dtype=torch.long, device=host.device)
         with host.routing.route([adapter] * band):
@@ -706,11 +709,9 @@ def _draw(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         probs = filtered_probs(logits[idx], config)
         # random numbers per row, in row order, from the generator of the row's request
         runs = [list(run) for _, run in itertools.groupby(js, key=lambda j: id(rows[j].owner))]
-
-        def uniform(width: int, runs: list[list[int]] = runs) -> torch.Tensor:
-            return torch.cat([_uniform(len(run), width, rows[run[0]].owner.gen, logits.device) for run in runs])
-
-        out[idx] = _exponential_race(probs, uniform) if seeded else _inverse_cdf(probs, uniform(1))
+        width = race_width(probs.shape[-1]) if seeded else 1
+        u = torch.cat([_uniform(len(run), width, rows[run[0]].owner.gen, logits.device) for run in runs])
+        out[idx] = _exponential_race(probs, u) if seeded else _inverse_cdf(probs, u)
     return out
 
 
@@ -762,20 +763,29 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 RACE_BLOCK = 256  # tokens per block of the exponential race (``_exponential_race``)
 
 
-def _exponential_race(probs: torch.Tensor, uniform: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """One draw per row from (R, V) probabilities, ``uniform(n)`` giving (R, n) uniform
+def race_width(vocab: int) -> int:
+    """The uniform numbers a row's exponential race takes: one per block, one per token of a block."""
+    return -(-vocab // RACE_BLOCK) + RACE_BLOCK
+
+
+def _exponential_race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row from (R, V) probabilities, given (R, ``race_width(V)``) uniform
     numbers: the token whose p / E is largest over E ~ Exp(1) a token, in two rounds.
 
     The vocabulary is cut into blocks of ``RACE_BLOCK`` tokens; a race between the blocks'
-    masses picks a block, a race within it the token: p(block) · p(token | block) = p(token),
-    an exact draw, from 448 random numbers a row where one race over the vocabulary took
-    49152 (the bundled model's: 3.2 against 0.1 ms for 8 rows, 4% of a decode step). A flip
-    still needs two ratios of one race within the logits' noise."""
+    masses (the first numbers of a row) picks a block, a race within it (the last
+    ``RACE_BLOCK``) the token: p(block) · p(token | block) = p(token), an exact draw, from
+    448 random numbers a row where one race over the vocabulary took 49152 (the bundled
+    model's: 3.2 against 0.1 ms for 8 rows, 4% of a decode step). A flip still needs two
+    ratios of one race within the logits' noise. A row's numbers are consecutive in its
+    generator's stream, so a request's first sample draws alike whatever its num_samples."""
     rows, vocab = probs.shape
-    blocks = nn.functional.pad(probs, (0, -vocab % RACE_BLOCK)).view(rows, -1, RACE_BLOCK)  # (R, blocks, block)
-    block = _race(blocks.sum(-1), uniform(blocks.shape[1]))  # (R,)
+    if vocab % RACE_BLOCK:  # zeros fill the last block (pad copies even when it adds nothing)
+        probs = nn.functional.pad(probs, (0, -vocab % RACE_BLOCK))
+    blocks = probs.view(rows, -1, RACE_BLOCK)  # (R, blocks, block)
+    block = _race(blocks.sum(-1), u[:, :blocks.shape[1]])  # (R,)
     inside = blocks[torch.arange(rows, device=probs.device), block]  # (R, block)
-    return block * RACE_BLOCK + _race(inside, uniform(RACE_BLOCK))
+    return block * RACE_BLOCK + _race(inside, u[:, blocks.shape[1]:])
 
 
 def _race(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

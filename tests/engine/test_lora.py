@@ -221,6 +221,7 @@ def test_a_trial_leaves_the_sampled_tokens_as_they_were(monkeypatch, tiny_host, 
     tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=0))
     request = SampleRequest(aid, list(range(5, 15)), 3, SamplingConfig(max_tokens=4, seed=0), prompt_logprobs=True)
     monkeypatch.delenv(lora.FEW_ROW_FORM_ENV, raising=False)
+    monkeypatch.setattr(tiny_host.routing.packed, "enabled", False)
     monkeypatch.setattr(tiny_host.routing, "few_row_forms", dict.fromkeys(lora.FEW_ROW_BANDS, False))
     monkeypatch.setattr(tiny_host, "prefix_cache", PrefixCache())
     decided = tiny_host.sample([request])
@@ -267,7 +268,9 @@ def test_a_slower_model_has_fewer_timed_rounds(monkeypatch, warm_pair, timed_rou
 
 @pytest.fixture
 def fresh_forms(monkeypatch, tiny_host):
-    """The tiny host with no form decided, and its trials deciding W x^T (whatever this CPU measures)."""
+    """The tiny host with no form decided, and its trials deciding W x^T (whatever this CPU
+    measures); its weights not packed (a host that packs them runs no trial)."""
+    monkeypatch.setattr(tiny_host.routing.packed, "enabled", False)
     monkeypatch.setattr(tiny_host.routing, "few_row_forms", {})
     monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: lora._in_form(forward, band, True) or 2.0)
     monkeypatch.delenv(lora.FEW_ROW_FORM_ENV, raising=False)
@@ -302,6 +305,65 @@ def test_a_call_gives_the_same_numbers_before_and_after_a_sample_decided_its_for
     assert fresh_forms == {8: True}  # compute_logprobs ran its own trial first
     tiny_host.sample([SampleRequest(aid, tokens, 2, SamplingConfig(max_tokens=3, seed=0))])
     assert tiny_host.compute_logprobs(aid, tokens) == before
+
+
+# -- packed weights: inference products read oneDNN's blocked copies -----------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_product_is_the_linear_layers_and_follows_a_changed_weight(dtype):
+    packed = lora.PackedWeights(enabled=lora.PackedWeights.works(dtype, torch.device("cpu")))
+    assert packed.enabled  # oneDNN packs both dtypes on any x86 CPU torch runs on
+    gen = torch.Generator().manual_seed(0)
+    layer = nn.Linear(48, 80).to(dtype).requires_grad_(False)
+    x = torch.randn(2, 5, 48, generator=gen).to(dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    with torch.no_grad():
+        for _ in range(2):
+            got = lora.linear_product(layer.weight, layer.bias, x, packed=packed)
+            torch.testing.assert_close(got, layer(x), rtol=tolerance, atol=tolerance)
+            layer.weight.add_(1.0)  # a changed weight is packed again
+        assert packed.applies(x, layer.weight)
+        assert not packed.applies(x.float() if dtype == torch.bfloat16 else x.double(), layer.weight)
+    assert not packed.applies(x, layer.weight)  # with gradients: the operator has no backward
+
+
+def test_passes_without_gradients_read_packed_weights_and_training_does_not(tiny_host, new_id, monkeypatch):
+    """forward and compute_logprobs take packed products (their parity with plain
+    transformers is tested elsewhere); forward_backward, which needs gradients, none."""
+    calls = []
+    real = lora.packed_product
+    monkeypatch.setattr(lora, "packed_product", lambda *args: calls.append(1) or real(*args))
+    aid = new_id()
+    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=0))
+    ex = Example([5, 17, 300, 42], {"target_tokens": [17, 300, 42, 9]})
+    tiny_host.forward_backward([ForwardJob(aid, [ex])])
+    assert not calls
+    tiny_host.forward([ForwardJob(aid, [ex])])
+    assert calls
+    tiny_host.delete_adapter(aid)
+
+
+def test_a_host_that_packs_runs_no_few_row_trial(tiny_host, monkeypatch):
+    monkeypatch.setattr(tiny_host.routing, "few_row_forms", {})
+    monkeypatch.setattr(lora, "_tried", lambda forward, band, repeats: pytest.fail("a trial ran"))
+    assert tiny_host.routing.packed.enabled
+    tiny_host.compute_logprobs(None, [5, 17, 300, 42])
+    assert tiny_host.routing.few_row_forms == {}
+
+
+def test_packing_turns_off_where_the_probe_fails_or_the_environment_says(monkeypatch):
+    from trio_engine import TINY_LLAMA, ModelHost
+
+    assert not lora.PackedWeights.works(torch.float32, torch.device("meta"))
+    monkeypatch.setattr(lora, "pack", lambda weight: weight * 2)  # a packing that gives wrong products
+    assert not lora.PackedWeights.works(torch.float32, torch.device("cpu"))
+    monkeypatch.undo()
+    monkeypatch.setenv("TRIO_PACK_WEIGHTS", "0")
+    assert not ModelHost(TINY_LLAMA, dtype="float32").routing.packed.enabled
+    monkeypatch.setenv("TRIO_PACK_WEIGHTS", "yes")
+    with pytest.raises(ValueError, match="TRIO_PACK_WEIGHTS: 'yes'"):
+        ModelHost(TINY_LLAMA, dtype="float32")
 
 
 def test_new_adapter_changes_nothing(tiny_host, new_id):

@@ -206,9 +206,10 @@ def merged_to(host) -> set[int]:
             if isinstance(m, lora.LoRALinear) and m._merged is not None}
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
 @pytest.mark.parametrize("config", [LoraConfig(rank=4, seed=1), LoraConfig(rank=4, seed=1, train_attn=False)],
                          ids=["every-layer", "mlp-and-head"])
-def test_a_long_one_adapter_batch_samples_as_the_model_merged_by_hand(tiny_host, new_id, monkeypatch, config):
+def test_a_long_one_adapter_batch_samples_as_the_model_merged_by_hand(tiny_host, new_id, monkeypatch, config, packed):
     """A batch whose every row uses one adapter and has ``MERGE_MIN_STEPS`` tokens to go
     decodes on merged weights (made here, not before): its greedy tokens and logprobs are a
     plain transformers model's with the adapter merged by hand; after the adapter's weights
@@ -217,6 +218,7 @@ def test_a_long_one_adapter_batch_samples_as_the_model_merged_by_hand(tiny_host,
     from trio_engine import sampler
 
     monkeypatch.setattr(sampler, "MERGE_MIN_STEPS", 12)
+    monkeypatch.setattr(tiny_host.routing.packed, "enabled", packed)  # kept packed, or plain
     aid = new_id("merged")
     tiny_host.create_adapter(aid, config)
     a_tensors = {id(t) for name, t in tiny_host.adapter_params(aid).items() if name.endswith("lora_A")}
@@ -235,10 +237,14 @@ def test_a_long_one_adapter_batch_samples_as_the_model_merged_by_hand(tiny_host,
                     ref_lp = reference_logprobs(model, prompt + want[:-1], prompt[1:] + want)[-12:]
                     torch.testing.assert_close(torch.tensor(seq.logprobs), ref_lp, atol=1e-4, rtol=1e-4)
             assert merged_to(tiny_host) == a_tensors  # every layer of the adapter, and only those
+            kept = [m._merged[1] for _, m in lora.lora_modules(tiny_host.model)
+                    if isinstance(m, lora.LoRALinear) and m._merged is not None]
+            assert all(w.is_mkldnn == packed for w in kept)  # packed, no plain copy beside it
         # the decode passes read the merged copy: made the base weights, it samples otherwise
         for _, layer in lora.lora_modules(tiny_host.model):
             if isinstance(layer, lora.LoRALinear) and layer._merged is not None:
-                layer._merged[1].copy_(layer.base.weight)
+                base = layer.base.weight.detach().clone()
+                layer._merged = (layer._merged[0], lora.pack(base) if layer._merged[1].is_mkldnn else base)
         result = tiny_host.sample([SampleRequest(aid, PROMPTS[2], 1, greedy(12))])[0]
         assert result.sequences[0].tokens != greedy_reference(model, PROMPTS[2], 12)
     finally:
@@ -562,9 +568,8 @@ def test_draws_follow_the_filtered_distribution(cfg, allowed, draw, width):
     from trio_engine.sampler import filtered_probs
 
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]])).repeat(20_000, 1)
-    generator = torch.Generator().manual_seed(0)
-    uniform = lambda width: torch.rand(20_000, width, generator=generator)  # noqa: E731
-    draws = getattr(sampler, draw)(filtered_probs(logits, cfg), uniform if width is None else uniform(width))
+    u = torch.rand(20_000, width or sampler.race_width(5), generator=torch.Generator().manual_seed(0))
+    draws = getattr(sampler, draw)(filtered_probs(logits, cfg), u)
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
     mask = torch.tensor([k in allowed for k in range(5)])
     expected = torch.where(mask, probs, 0) / probs[mask].sum()
@@ -582,8 +587,8 @@ def test_the_race_draws_across_blocks_of_the_vocabulary_in_proportion():
     probs = torch.full((vocab,), 0.1 / (vocab - len(chosen)))
     for token, p in chosen.items():
         probs[token] = p
-    generator = torch.Generator().manual_seed(0)
-    draws = sampler._exponential_race(probs.repeat(rows, 1), lambda n: torch.rand(rows, n, generator=generator))
+    u = torch.rand(rows, sampler.race_width(vocab), generator=torch.Generator().manual_seed(0))
+    draws = sampler._exponential_race(probs.repeat(rows, 1), u)
     freq = torch.bincount(draws, minlength=vocab).float() / rows
     assert len(freq) == vocab  # every draw in the vocabulary, none in the padding
     for token, p in chosen.items():
