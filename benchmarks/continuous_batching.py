@@ -93,7 +93,8 @@ Policy = Callable[[ModelHost, list[SampleRequest], float], tuple[float, list[flo
 
 def measure(host: ModelHost, requests: list[SampleRequest], gap: float, repeats: int) -> dict[str, list]:
     """Each policy ``repeats`` times, alternating, after one untimed warm-up of each on all
-    the requests (so that the batch sizes it meets have had their product forms decided:
+    the requests (so that the weights are packed, ``lora.PackedWeights``, or where they are
+    not, the batch sizes it meets have had their product forms decided:
     ``lora.decide_few_row_forms``)."""
     policies: dict[str, Policy] = {"ours": continuous, "baseline": run_to_completion}
     for policy in policies.values():

@@ -1,4 +1,6 @@
-"""Decode-sized linear products: W x^T (``lora.weight_major_product``) vs ``nn.Linear``'s x W^T.
+"""Decode-sized linear products: W x^T (``lora.weight_major_product``) and a oneDNN-packed
+weight (``lora.PackedWeights``, what the engine's inference products read where oneDNN
+works) vs ``nn.Linear``'s x W^T.
 
 For each linear shape of the bundled model and a few row counts (the rows of one decode
 step), 30 distinct weights are multiplied in turn, so they come from beyond a core's own
@@ -6,11 +8,12 @@ caches as in a real step. Both forms run interleaved in one process. A shape's g
 need not hold in the model, where each product's form also sets the layout of the next
 one's input (machine C: the down projection 0.64x alone at 8 rows, yet W x^T for every
 product ran sampling 1.25x as fast). So the engine decides per band of rows by timing the
-whole model in each form (``lora.decide_few_row_forms``); its decisions on the bundled
-model are printed last, its gains logged.
+whole model in each form (``lora.decide_few_row_forms``) where it does not pack weights;
+those decisions on the bundled model are printed last, its gains logged.
 
     RESULT decode_linear_<out>x<in>_rows<r> ours=<products/s as W x^T> baseline=<products/s as x W^T> ratio=...
-    FORM engine_takes_weight_major_at_rows=<the bands of rows where the bundled model takes W x^T>
+    RESULT decode_linear_packed_<out>x<in>_rows<r> ours=<products/s packed> baseline=<as x W^T> ratio=...
+    FORM engine_takes_weight_major_at_rows=<the bands where the bundled model, unpacked, takes W x^T>
 
 Run: .venv/bin/python benchmarks/decode_linear.py [--repeats 9]
 """
@@ -38,10 +41,15 @@ def shapes() -> list[tuple[int, int]]:
             (config.intermediate_size, hidden), (hidden, config.intermediate_size), (config.vocab_size, hidden)]
 
 
-def compare(layers: list[torch.nn.Linear], rows: int, repeats: int) -> Timings:
-    """Timings of a pass over ``layers`` on ``rows`` rows: W x^T ("ours"), the layer's own ("baseline")."""
+def compare(layers: list[torch.nn.Linear], rows: int, repeats: int, packed: bool) -> Timings:
+    """Timings of a pass over ``layers`` on ``rows`` rows: W x^T or from packed weights
+    ("ours"), the layer's own ("baseline")."""
     x = torch.randn(rows, layers[0].in_features)
+    copies = [lora.pack(layer.weight) for layer in layers] if packed else []
     with torch.no_grad():
+        if packed:
+            return timed_pair(lambda: [lora.packed_product(w, None, x) for w in copies],
+                              lambda: [layer(x) for layer in layers], repeats)
         return timed_pair(lambda: [lora.weight_major_product(x, layer.weight, None) for layer in layers],
                           lambda: [layer(x) for layer in layers], repeats)
 
@@ -56,10 +64,12 @@ def main() -> None:
         count = LAYERS if out_f * in_f < 10**7 else 2  # the head: two copies outgrow any cache
         layers = [torch.nn.Linear(in_f, out_f, bias=False) for _ in range(count)]
         for rows in map(int, args.rows.split(",")):
-            timings = compare(layers, rows, args.repeats)
-            result(f"decode_linear_{out_f}x{in_f}_rows{rows}", count / timings["ours"], count / timings["baseline"],
-                   " (products/s)", timings.spread())
+            for packed, name in ((False, "decode_linear"), (True, "decode_linear_packed")):
+                timings = compare(layers, rows, args.repeats, packed)
+                result(f"{name}_{out_f}x{in_f}_rows{rows}", count / timings["ours"], count / timings["baseline"],
+                       " (products/s)", timings.spread())
     host = ModelHost(DEFAULT_MODEL, dtype=torch.float32)
+    host.routing.packed.enabled = False  # the trial is for a host whose weights are not packed
     for band in lora.FEW_ROW_BANDS:
         decide_product_forms(host, band, None)
     bands = [band for band in lora.FEW_ROW_BANDS if host.routing.few_row_forms[band]]

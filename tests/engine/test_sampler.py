@@ -16,8 +16,8 @@ from trio_engine import (
     ModelHost,
     SampleRequest,
     SamplingConfig,
+    lora,
 )
-from trio_engine import lora
 from trio_engine.kv_cache import MIN_ROOM, GrowingCache, GrowingLayer
 
 from .helpers import (
