@@ -24,8 +24,9 @@ few rows is mostly fixed costs, and the low-rank products were two of the three 
 per layer: merged, 8 x 64 sampling of the bundled model ran 115 instead of 95 tokens/s
 (one process, interleaved). The merged weights are a copy of the adapted layers' (540 MB
 for the bundled model in fp32), kept for the next pass and rebuilt in place when the
-adapter changes or another is merged, so a host holds at most one such copy, and only if
-it fits the host's budget (``mergeable``). bf16 never merges: W0 + s·B·A rounded to bf16 loses
+adapter changes or another is merged (a stale copy stays until then, or until its
+adapter is deleted), so a host holds at most one such copy, and only on the CPU within
+the host's budget (``mergeable``). bf16 never merges: W0 + s·B·A rounded to bf16 loses
 the part of the update under half a unit in the last place of W0, most of a young
 adapter's.
 
@@ -217,9 +218,10 @@ class LoRALinear(nn.Module):
         made = self._merged
         if made is not None and made[0][0] is a and made[0][1] is b and made[0][2:] == (a._version, b._version):
             return made[1]
-        self._merged = None  # the old copy goes before the new one is made
-        with torch.no_grad():
-            merged = torch.addmm(self.base.weight, b, a, alpha=self.scales[adapter_id])
+        made = self._merged = None  # the old copy goes before the new one is made
+        weight = self.base.weight
+        with torch.no_grad():  # A and B are fp32: cast to an fp64 model's dtype
+            merged = torch.addmm(weight, b.to(weight.dtype), a.to(weight.dtype), alpha=self.scales[adapter_id])
         if self.routing.packed.enabled:
             merged = pack(merged)
         self._merged = ((a, b, a._version, b._version), merged)
@@ -630,6 +632,8 @@ def _aligned_layout(matrix: torch.Tensor) -> bool:
 # it ran at least ``WEIGHT_MAJOR_MIN_GAIN`` as fast. The decisions are the model's own
 # (``Routing.few_row_forms``): another model, of other shapes, runs its own trial. bf16 keeps
 # x Wᵀ, its faster form for up to 16 rows on machines A and B, and in the model on C.
+# All of this is the fallback for a host whose weights are not packed (``PackedWeights``:
+# faster than either form where oneDNN works, so such a host runs no trial).
 FEW_ROW_BANDS = (1, 2, 8, 16, 32, 64)  # a product of r rows takes the form decided at the first band >= r
 WEIGHT_MAJOR_MAX_ROWS = FEW_ROW_BANDS[-1]
 WEIGHT_MAJOR_MIN_GAIN = 1.05  # a trial's noise (the median of 5 rounds' ratios) stays within this
@@ -985,10 +989,13 @@ MERGEABLE_DTYPES = (torch.float32, torch.float64)  # bf16 would round the update
 
 def mergeable(model: nn.Module, budget: int) -> bool:
     """Whether ``model``'s adapted linear layers may keep weights merged with an adapter
-    (``Routing.merging``): all in fp32 or fp64, their copy within ``budget`` bytes."""
+    (``Routing.merging``): all in fp32 or fp64 on the CPU, their copy within ``budget``
+    bytes. Not on a GPU: its gain there is unmeasured, and a copy that does not fit
+    would fail a decode step rather than slow it."""
     weights = [module.base.weight for _, module in lora_modules(model) if isinstance(module, LoRALinear)]
     size = sum(w.numel() * w.element_size() for w in weights)
-    return bool(weights) and all(w.dtype in MERGEABLE_DTYPES for w in weights) and size <= budget
+    return (bool(weights) and all(w.dtype in MERGEABLE_DTYPES and w.device.type == "cpu" for w in weights)
+            and size <= budget)
 
 
 def remove_adapter(model: nn.Module, adapter_id: str) -> None:

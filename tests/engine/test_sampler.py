@@ -252,6 +252,38 @@ def test_a_long_one_adapter_batch_samples_as_the_model_merged_by_hand(tiny_host,
     assert not merged_to(tiny_host)  # the copy went with the adapter
 
 
+def test_a_batch_merges_only_while_every_row_uses_one_adapter(tiny_host, new_id, monkeypatch):
+    """Rows of the base model joining a merged batch stop the merging; once they leave, it
+    resumes; an emptied batch decides afresh. The base rows' logprobs are the base model's."""
+    from trio_engine import sampler
+
+    monkeypatch.setattr(sampler, "MERGE_MIN_STEPS", 4)
+    aid = new_id("merging")
+    tiny_host.create_adapter(aid, LoraConfig(rank=4, seed=1))
+    randomize_adapter(tiny_host, aid, seed=5, scale=0.2)
+    batch, done = tiny_host.decode_batch(), {}
+    tiny_host.admit(batch, [SampleRequest(aid, PROMPTS[0], 1, SamplingConfig(max_tokens=10, seed=0))], ["adapted"])
+    done.update(tiny_host.decode_step(batch))
+    assert batch._merged_adapter() == aid
+    base = SampleRequest(None, PROMPTS[1], 2, SamplingConfig(max_tokens=3, seed=1))
+    tiny_host.admit(batch, [base], ["base"])
+    merged_while_mixed = []
+    while "base" not in done:
+        merged_while_mixed.append(batch._merged_adapter())
+        done.update(tiny_host.decode_step(batch))
+    assert merged_while_mixed == [None] * 3
+    assert batch._merged_adapter() == aid  # the adapter's rows alone again
+    while len(batch):
+        done.update(tiny_host.decode_step(batch))
+    assert batch._merging is None
+    for seq in done["base"].sequences:
+        full = base.prompt + seq.tokens
+        trainer = tiny_host.forward([ForwardJob(None, [Example(full[:-1], {"target_tokens": full[1:]})])])[0]
+        torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(trainer.logprobs[0][len(base.prompt) - 1:]),
+                                   atol=1e-4, rtol=1e-4)
+    tiny_host.delete_adapter(aid)
+
+
 def test_only_fp32_layers_within_the_budget_merge(tiny_host):
     from trio_engine import TINY_LLAMA, ModelHost
 
@@ -575,6 +607,13 @@ def test_draws_follow_the_filtered_distribution(cfg, allowed, draw, width):
     expected = torch.where(mask, probs, 0) / probs[mask].sum()
     freq = torch.bincount(draws, minlength=5).float() / len(draws)
     assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
+
+
+def test_a_race_number_of_zero_still_draws_the_one_block_with_mass():
+    """u = 0 (1 in 2^24) made E infinite and every ratio 0, so argmax took block 0."""
+    from trio_engine import sampler
+
+    assert sampler._race(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[0.5, 0.0, 0.5]])).tolist() == [1]
 
 
 def test_the_race_draws_across_blocks_of_the_vocabulary_in_proportion():
