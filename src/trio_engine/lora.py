@@ -23,9 +23,9 @@ asks for it while every row of a long decode batch uses one adapter. A decode st
 few rows is mostly fixed costs, and the low-rank products were two of the three products
 per layer: merged, 8 x 64 sampling of the bundled model ran 115 instead of 95 tokens/s
 (one process, interleaved). The merged weights are a copy of the adapted layers' (540 MB
-for the bundled model in fp32), kept for the next pass and rebuilt in place when the
-adapter changes or another is merged (a stale copy stays until then, or until its
-adapter is deleted), so a host holds at most one such copy, and only on the CPU within
+for the bundled model in fp32; kept packed where the host packs, ``PackedWeights``),
+kept for the next pass and remade when the adapter changes or another is merged (a
+stale copy stays until then, or until its adapter is deleted), so a host holds at most one such copy, and only on the CPU within
 the host's budget (``mergeable``). bf16 never merges: W0 + s·B·A rounded to bf16 loses
 the part of the update under half a unit in the last place of W0, most of a young
 adapter's.
