@@ -46,12 +46,10 @@ def compare(layers: list[torch.nn.Linear], rows: int, repeats: int, packed: bool
     ("ours"), the layer's own ("baseline")."""
     x = torch.randn(rows, layers[0].in_features)
     copies = [lora.pack(layer.weight) for layer in layers] if packed else []
+    ours = ((lambda: [lora.packed_product(w, None, x) for w in copies]) if packed
+            else (lambda: [lora.weight_major_product(x, layer.weight, None) for layer in layers]))
     with torch.no_grad():
-        if packed:
-            return timed_pair(lambda: [lora.packed_product(w, None, x) for w in copies],
-                              lambda: [layer(x) for layer in layers], repeats)
-        return timed_pair(lambda: [lora.weight_major_product(x, layer.weight, None) for layer in layers],
-                          lambda: [layer(x) for layer in layers], repeats)
+        return timed_pair(ours, lambda: [layer(x) for layer in layers], repeats)
 
 
 def main() -> None:

@@ -239,10 +239,9 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, in) or (N, in)
         merged = self._merged_for(x)
         if merged is not None:
-            if merged.is_mkldnn:
-                return packed_product(merged, self.base.bias, x)
-            # contiguous, as the low-rank addmm leaves it: W xᵀ's transposed view made the
-            # ops after it slower than the copy costs (8 x 64: 94 against 115 tokens/s)
+            # contiguous, as the low-rank addmm leaves it: W xᵀ's transposed view (of an
+            # unpacked merged weight) made the ops after it slower than the copy costs
+            # (8 x 64: 94 against 115 tokens/s)
             return linear_product(merged, self.base.bias, x, self.routing.few_row_forms).contiguous()
         if self.group is not None and self.group.applies(x):
             return self.group.output(self, x)
@@ -293,7 +292,7 @@ def with_adapters(out: torch.Tensor, x: torch.Tensor, routing: Routing, adapters
     of ``adapters``; other rows keep ``out``."""
     runs = [(adapter_id, rows) for adapter_id, rows in routing.segments if adapter_id in adapters]
     if not runs:
-        return out.contiguous()  # base_product's may be a transposed view
+        return out.contiguous()  # linear_product's may be a transposed view
     if runs[0][1] is None:  # one adapter, every row
         return adapted(out, x, runs[0][0])
     if routing.flattened(x):
@@ -740,17 +739,14 @@ def _in_form(forward: Callable[[int], object], band: int, form: bool) -> None:
         _trial.form = None
 
 
-def base_product(linear: nn.Linear, x: torch.Tensor, forms: Mapping[int, bool] | None = None) -> torch.Tensor:
-    """``linear(x)``, in its faster form (``linear_product``)."""
-    return linear_product(linear.weight, linear.bias, x, forms)
-
-
 def linear_product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
                    forms: Mapping[int, bool] | None = None, packed: PackedWeights | None = None) -> torch.Tensor:
-    """``x Wᵀ + bias``: from ``packed``'s copy of the weight where it applies, else as
-    W x^T when that is the faster form: then a transposed view (copying it back to rows
-    would cost as much as the head's product saves; the low-rank ``addmm`` that follows
-    writes a fresh tensor anyway)."""
+    """``x Wᵀ + bias``: from a packed weight (``weight`` itself, as a merged one is kept,
+    or ``packed``'s copy of it where that applies), else as W x^T when that is the faster
+    form: then a transposed view (copying it back to rows would cost as much as the head's
+    product saves; the low-rank ``addmm`` that follows writes a fresh tensor anyway)."""
+    if weight.is_mkldnn:
+        return packed_product(weight, bias, x)
     if packed is not None and packed.applies(x, weight):
         return packed_product(packed.copy_of(weight), bias, x)
     if not weight_major(x, weight, forms):
@@ -801,8 +797,7 @@ class PackedWeights:
         return got.shape == want.shape and bool(torch.allclose(got, want, rtol=tolerance, atol=tolerance))
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (self.enabled and not torch.is_grad_enabled() and weight.device.type == "cpu"
-                and x.dtype == weight.dtype and not weight.is_mkldnn)
+        return self.enabled and not torch.is_grad_enabled() and weight.device.type == "cpu" and x.dtype == weight.dtype
 
     def copy_of(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` packed: the kept copy while the weight is the same tensor, unchanged."""

@@ -729,15 +729,16 @@ def filtered_probs(logits: torch.Tensor, c: SamplingConfig) -> torch.Tensor:
     The logits are shifted to a maximum of 0 before the temperature divides them, so a tiny
     temperature sends them to -inf, not the likeliest to +inf (and the softmax to NaN); one
     below fp32's smallest normal number divides as that number (not as 0, into 0 / 0)."""
-    filtered = (c.top_k > 0 and c.top_k < logits.shape[-1]) or c.top_p < 1
-    if c.temperature == 1 and not filtered:  # softmax shifts by the maximum itself: the same bits
+    top_k = 0 < c.top_k < logits.shape[-1]
+    top_p = c.top_p < 1
+    if c.temperature == 1 and not (top_k or top_p):  # softmax shifts by the maximum itself: the same bits
         return logits.softmax(-1)
     shifted = logits - logits.amax(-1, keepdim=True)  # amax: max would find the indices too (2x the time)
     logits = shifted / max(c.temperature, torch.finfo(torch.float32).tiny)
-    if c.top_k > 0 and c.top_k < logits.shape[-1]:
+    if top_k:
         kth = logits.topk(c.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
-    if c.top_p < 1:
+    if top_p:
         sorted_logits, order = logits.sort(-1, descending=True)
         probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (keeps at least one)

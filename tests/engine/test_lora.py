@@ -15,7 +15,13 @@ from trio_engine import (
     SamplingConfig,
     lora,
 )
-from trio_engine.lora import WEIGHT_MAJOR_MAX_ROWS, LoRALinear, Routing, base_product, weight_major
+from trio_engine.lora import (
+    WEIGHT_MAJOR_MAX_ROWS,
+    LoRALinear,
+    Routing,
+    linear_product,
+    weight_major,
+)
 from trio_engine.sampler import PrefixCache
 
 from .helpers import plain_model, randomize_adapter, reference_logprobs
@@ -65,7 +71,7 @@ def test_decode_sized_products_equal_the_linear_layer(shape, bias, weight_major_
     with torch.no_grad():
         x = torch.randn(shape)
         assert weight_major(x, base.weight)
-        product = base_product(base, x)
+        product = linear_product(base.weight, base.bias, x)
         assert not product.is_contiguous()  # W x^T's own layout: the form was taken
         torch.testing.assert_close(product, base(x), atol=TOL, rtol=TOL)
         plain = layer(x)  # no adapter routed: the base output, as rows again
@@ -73,7 +79,7 @@ def test_decode_sized_products_equal_the_linear_layer(shape, bias, weight_major_
         with routing.use([("a", None)]):
             adapted = layer(x)
     assert plain.is_contiguous()
-    torch.testing.assert_close(base_product(base, x), base(x))  # with autograd on: the layer's own path
+    torch.testing.assert_close(linear_product(base.weight, base.bias, x), base(x))  # with autograd on: the layer's own path
     torch.testing.assert_close(plain, base(x), atol=TOL, rtol=TOL)
     torch.testing.assert_close(adapted, base(x) + (LORA_ALPHA / 4) * (x @ a.T @ b.T), atol=TOL, rtol=TOL)
 
@@ -94,7 +100,8 @@ def test_a_cpu_where_the_weight_major_form_does_not_pay_keeps_the_usual_one(monk
     monkeypatch.setattr(lora, "weight_major_pays", lambda rows, forms: False)
     with torch.no_grad():
         assert not weight_major(torch.zeros(2, 12), torch.zeros(7, 12))
-        product = base_product(nn.Linear(12, 7), torch.zeros(2, 12))
+        linear = nn.Linear(12, 7)
+        product = linear_product(linear.weight, linear.bias, torch.zeros(2, 12))
     assert product.is_contiguous()  # nn.Linear's own layout
 
 
@@ -115,7 +122,8 @@ def _forward_of(model: nn.Module, forms: dict, calls: list | None = None):
         if calls is not None:
             calls.append(band)
         for layer in model:
-            base_product(layer, torch.zeros(band, layer.in_features, dtype=layer.weight.dtype), forms)
+            linear_product(layer.weight, layer.bias, torch.zeros(band, layer.in_features, dtype=layer.weight.dtype),
+                           forms)
     return forward
 
 

@@ -200,10 +200,14 @@ def test_mixed_adapters_and_requests_equal_solo(tiny_host, adapted):
 # -- merged weights: a long decode batch of one adapter runs on W0 + s·B·A ---------------------
 
 
+def merged_layers(host) -> list[lora.LoRALinear]:
+    """The host's layers that hold merged weights."""
+    return [m for _, m in lora.lora_modules(host.model) if isinstance(m, lora.LoRALinear) and m._merged is not None]
+
+
 def merged_to(host) -> set[int]:
     """The ids of the A tensors the host's layers hold merged weights of."""
-    return {id(m._merged[0][0]) for _, m in lora.lora_modules(host.model)
-            if isinstance(m, lora.LoRALinear) and m._merged is not None}
+    return {id(m._merged[0][0]) for m in merged_layers(host)}
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
@@ -237,14 +241,11 @@ def test_a_long_one_adapter_batch_samples_as_the_model_merged_by_hand(tiny_host,
                     ref_lp = reference_logprobs(model, prompt + want[:-1], prompt[1:] + want)[-12:]
                     torch.testing.assert_close(torch.tensor(seq.logprobs), ref_lp, atol=1e-4, rtol=1e-4)
             assert merged_to(tiny_host) == a_tensors  # every layer of the adapter, and only those
-            kept = [m._merged[1] for _, m in lora.lora_modules(tiny_host.model)
-                    if isinstance(m, lora.LoRALinear) and m._merged is not None]
-            assert all(w.is_mkldnn == packed for w in kept)  # packed, no plain copy beside it
+            assert all(m._merged[1].is_mkldnn == packed for m in merged_layers(tiny_host))  # packed, no plain copy beside it
         # the decode passes read the merged copy: made the base weights, it samples otherwise
-        for _, layer in lora.lora_modules(tiny_host.model):
-            if isinstance(layer, lora.LoRALinear) and layer._merged is not None:
-                base = layer.base.weight.detach().clone()
-                layer._merged = (layer._merged[0], lora.pack(base) if layer._merged[1].is_mkldnn else base)
+        for layer in merged_layers(tiny_host):
+            base = layer.base.weight.detach().clone()
+            layer._merged = (layer._merged[0], lora.pack(base) if layer._merged[1].is_mkldnn else base)
         result = tiny_host.sample([SampleRequest(aid, PROMPTS[2], 1, greedy(12))])[0]
         assert result.sequences[0].tokens != greedy_reference(model, PROMPTS[2], 12)
     finally:
